@@ -1,0 +1,42 @@
+# Two commands do all the setup on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+HOST ?= 127.0.0.1
+PORT ?= 5672
+
+.PHONY: run test test-python test-native install lint bench bench-smoke clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Reinstall when the packaging or the C sources change.
+$(STAMP): $(PY) pyproject.toml setup.py native/accounting.c native/accounting.h native/build_accounting.py
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -c "import qflow._accounting_native"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT)
+
+# The whole suite, once per accounting implementation.
+test: $(STAMP)
+	QFLOW_ACCOUNTING=native $(PY) -m pytest
+	QFLOW_ACCOUNTING=python $(PY) -m pytest -m "not native_only"
+
+lint: $(STAMP)
+	$(PY) -m ruff check qflow cli tests bench native
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+bench-smoke: $(STAMP)
+	$(PY) bench/run.py --smoke
+
+clean:
+	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so

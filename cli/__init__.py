@@ -1,0 +1,1 @@
+"""qflow's command-line entry points (installed as ``qflow.cli``)."""

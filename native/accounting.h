@@ -1,0 +1,77 @@
+/* Per-queue flow accounting and transfer completion: the C twin of
+ * qflow.accounting.PyAccounting. The module docstring of qflow/accounting.py
+ * is the specification (op log format, outputs, hold tokens, drop_session);
+ * this header only describes the C boundary.
+ *
+ * The boundary is batch-shaped: one call replays a whole op log, and the
+ * results land in buffers owned by the state (acct_output), which the Python
+ * wrapper reads after the call. Every function that produces results first
+ * empties those buffers, so they only ever hold the last call's results. */
+#ifndef QFLOW_ACCOUNTING_H
+#define QFLOW_ACCOUNTING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define ACCT_OP_WORDS 5
+#define ACCT_OP_TRANSFER 1
+#define ACCT_OP_ENQUEUE 2
+#define ACCT_OP_END 3
+#define ACCT_OP_TRANSFER1 4
+#define ACCT_OP_DEQUEUE 5
+
+/* Status codes. acct_output.err_op is the failing op's index (-1 when the
+ * error is not tied to one op) and err_value the number the message names:
+ * the queue slot, the op code or the log's word count. */
+#define ACCT_OK 0
+#define ACCT_ERR_NOMEM 1
+#define ACCT_ERR_UNKNOWN_QUEUE 2
+#define ACCT_ERR_LOG_LENGTH 3
+#define ACCT_ERR_NESTED_TRANSFER 4
+#define ACCT_ERR_ENQUEUE_OVERFLOW 5
+#define ACCT_ERR_DEQUEUE_UNDERFLOW 6
+#define ACCT_ERR_END_WITHOUT_TRANSFER 7
+#define ACCT_ERR_UNKNOWN_OP 8
+#define ACCT_ERR_UNTERMINATED 9
+
+typedef struct acct_output {
+    int64_t *completions;   /* (session, first, last) per completed range */
+    size_t ncompletions;
+    int64_t *holds;         /* (op_index, token, session, queue) per hold */
+    size_t nholds;
+    uint64_t *transitions;  /* (queue, flow_on, count, nbytes) per change */
+    size_t ntransitions;
+    int64_t err_op;
+    int64_t err_value;
+    /* capacities, in records */
+    size_t cap_completions;
+    size_t cap_holds;
+    size_t cap_transitions;
+} acct_output;
+
+typedef struct acct_state acct_state;
+
+acct_state *acct_new(void);  /* NULL when out of memory */
+void acct_free(acct_state *st);
+acct_output *acct_output_of(acct_state *st);
+
+/* The new queue's slot (freed slots are reused last-freed first), or -1 when
+ * out of memory. */
+int64_t acct_add_queue(acct_state *st);
+int acct_check_queue(const acct_state *st, int64_t queue);
+/* Releases the queue's held transfers into completions. */
+int acct_remove_queue(acct_state *st, int64_t queue);
+/* The caller has validated resume <= stop for both units. Fills completions
+ * and transitions. */
+int acct_set_thresholds(acct_state *st, int64_t queue, uint32_t stop_count, uint32_t resume_count,
+                        uint64_t stop_size, uint64_t resume_size);
+/* Replays nwords int64 words of op log. On error the ops before err_op have
+ * taken effect and the outputs are meaningless. */
+int acct_apply(acct_state *st, const int64_t *log, size_t nwords);
+void acct_drop_session(acct_state *st, int64_t session);
+/* out: count, bytes, flow_on, stopped_count, held. */
+int acct_stats(const acct_state *st, int64_t queue, uint64_t out[5]);
+/* For tests only: the 32-bit count limit cannot be reached by enqueuing. */
+int acct_force_depth(acct_state *st, int64_t queue, uint32_t count, uint64_t nbytes);
+
+#endif

@@ -1,0 +1,164 @@
+"""``NativeAccounting``: ``PyAccounting``'s interface over ``native/accounting.c``.
+
+The specification is the docstring of ``qflow.accounting``. The state lives in
+C; each method is one C call, and ``apply`` hands the whole op log over
+without copying. Results come back in buffers owned by the C state and are
+turned into the same lists of tuples ``PyAccounting`` returns.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from qflow._accounting_native import ffi, lib
+from qflow.accounting import (
+    COUNT_MAX,
+    OP_WORDS,
+    SIZE_MAX,
+    AccountingError,
+    Completion,
+    Hold,
+    Transition,
+)
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+_unpack = ffi.unpack
+_from_buffer = ffi.from_buffer
+
+
+class NativeAccounting:
+    """The C accounting; behaves exactly like ``PyAccounting``. Not
+    thread-safe: cffi releases the GIL during each call."""
+
+    name = "native"
+
+    __slots__ = ("_st", "_out", "_stats")
+
+    def __init__(self) -> None:
+        st = lib.acct_new()
+        if st == ffi.NULL:
+            raise MemoryError("cannot allocate the accounting state")
+        self._st = ffi.gc(st, lib.acct_free)
+        self._out = lib.acct_output_of(st)  # lives as long as self._st
+        self._stats = ffi.new("uint64_t[5]")
+
+    # -- queues -------------------------------------------------------------
+    def add_queue(self) -> int:
+        slot = lib.acct_add_queue(self._st)
+        if slot < 0:
+            raise MemoryError("cannot grow the queue table")
+        return slot
+
+    def remove_queue(self, queue: int) -> list[Completion]:
+        self._check(lib.acct_remove_queue(self._st, _slot(queue)), queue)
+        return self._completions()
+
+    def set_thresholds(
+        self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
+    ) -> tuple[list[Completion], list[Transition]]:
+        slot = _slot(queue)
+        counts_ok = 0 <= resume_count <= stop_count <= COUNT_MAX
+        sizes_ok = 0 <= resume_size <= stop_size <= SIZE_MAX
+        if not (counts_ok and sizes_ok):
+            # PyAccounting looks the queue up before validating.
+            self._check(lib.acct_check_queue(self._st, slot), queue)
+            if not counts_ok:
+                raise AccountingError(f"bad count thresholds {stop_count}/{resume_count}")
+            raise AccountingError(f"bad size thresholds {stop_size}/{resume_size}")
+        self._check(
+            lib.acct_set_thresholds(self._st, slot, stop_count, resume_count, stop_size, resume_size),
+            queue,
+        )
+        return self._completions(), self._transitions()
+
+    def stats(self, queue: int) -> tuple[int, int, bool, int, int]:
+        """(count, bytes, flow_on, stopped_count, held)."""
+        s = self._stats
+        self._check(lib.acct_stats(self._st, _slot(queue), s), queue)
+        return s[0], s[1], bool(s[2]), s[3], s[4]
+
+    def drop_session(self, session: int) -> None:
+        # A session outside int64 cannot have come from an op log.
+        if _INT64_MIN <= session <= _INT64_MAX:
+            lib.acct_drop_session(self._st, session)
+
+    # -- the batch ----------------------------------------------------------
+    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]:
+        if type(log) is not array or log.typecode != "q":
+            log = array("q", log)  # the odd caller; the broker passes array('q')
+        rc = lib.acct_apply(self._st, _from_buffer("int64_t[]", log), len(log))
+        if rc:
+            self._check(rc)
+        return self._completions(), self._holds(), self._transitions()
+
+    # -- for tests ----------------------------------------------------------
+    def _force_depth(self, queue: int, count: int, nbytes: int) -> None:
+        """Set a queue's depth directly (the 32-bit limits cannot be reached
+        by enqueuing in a test)."""
+        self._check(lib.acct_force_depth(self._st, _slot(queue), count, nbytes), queue)
+
+    # -- results ------------------------------------------------------------
+    def _completions(self) -> list[Completion]:
+        out = self._out
+        n = out.ncompletions
+        if not n:
+            return []
+        w = _unpack(out.completions, 3 * n)
+        return list(zip(w[0::3], w[1::3], w[2::3]))
+
+    def _holds(self) -> list[Hold]:
+        out = self._out
+        n = out.nholds
+        if not n:
+            return []
+        w = _unpack(out.holds, 4 * n)
+        return list(zip(w[0::4], w[1::4], w[2::4], w[3::4]))
+
+    def _transitions(self) -> list[Transition]:
+        out = self._out
+        n = out.ntransitions
+        if not n:
+            return []
+        w = _unpack(out.transitions, 4 * n)
+        return list(zip(w[0::4], map(bool, w[1::4]), w[2::4], w[3::4]))
+
+    def _check(self, rc: int, queue: int | None = None) -> None:
+        """Raise the error PyAccounting raises for status ``rc``; ``queue`` is
+        given for the calls about one queue (their errors name no op)."""
+        if rc == lib.ACCT_OK:
+            return
+        if queue is not None:  # a call about one queue, not an op log
+            if rc == lib.ACCT_ERR_UNKNOWN_QUEUE:
+                raise AccountingError(f"unknown queue slot {queue}")
+            if rc == lib.ACCT_ERR_NOMEM:
+                raise MemoryError("out of memory")
+        out = self._out
+        index, value = out.err_op, out.err_value
+        if rc == lib.ACCT_ERR_UNKNOWN_QUEUE:
+            raise AccountingError(f"op {index}: unknown queue slot {value}")
+        if rc == lib.ACCT_ERR_NOMEM:
+            raise MemoryError(f"op {index}: out of memory")
+        message = _MESSAGES.get(rc)
+        if message is None:
+            raise AccountingError(f"accounting status {rc}")
+        raise AccountingError(message.format(index=index, value=value, words=OP_WORDS))
+
+
+def _slot(queue: int) -> int:
+    """A queue slot the C side can take; anything else is no queue at all."""
+    if 0 <= queue <= _INT64_MAX:
+        return queue
+    raise AccountingError(f"unknown queue slot {queue}")
+
+
+_MESSAGES = {
+    lib.ACCT_ERR_LOG_LENGTH: "op log of {value} words is not a multiple of {words}",
+    lib.ACCT_ERR_NESTED_TRANSFER: "op {index}: transfer opened inside a transfer",
+    lib.ACCT_ERR_ENQUEUE_OVERFLOW: "op {index}: enqueue overflows queue {value}",
+    lib.ACCT_ERR_DEQUEUE_UNDERFLOW: "op {index}: dequeue underflows queue {value}",
+    lib.ACCT_ERR_END_WITHOUT_TRANSFER: "op {index}: end without a transfer",
+    lib.ACCT_ERR_UNKNOWN_OP: "op {index}: unknown op code {value}",
+    lib.ACCT_ERR_UNTERMINATED: "op log ends inside a transfer",
+}

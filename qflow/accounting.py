@@ -1,0 +1,345 @@
+"""Per-queue flow accounting and transfer completion, batch-shaped.
+
+This module is the single place where the Qpid C++ flow-control rules are
+applied. Two implementations share one interface and must behave identically:
+``PyAccounting`` (below) and ``NativeAccounting`` (``native/accounting.c``
+compiled with cffi). ``load_accounting()`` picks one from ``QFLOW_ACCOUNTING``.
+
+The rules (Qpid C++ broker manual, "Producer Flow Control"):
+
+* "When the total number of enqueued messages is greater than [stop], the
+  queue's flow control state transitions to ON" -- either threshold crossed
+  (count > stop_count or bytes > stop_size; a zero threshold is not in force).
+* "it remains ON until the total number of enqueued messages is less than
+  [resume]" -- and with both units, "until both resume thresholds are
+  satisfied" (count < resume_count AND bytes < resume_size, for those in force).
+* "The Broker enforces flow control by delaying the completion of the
+  Message.Transfer command that causes a message to be delivered to a queue
+  with active flow control ... until flow control state transitions to OFF for
+  all queues that are a destination for that command."
+* A held message dequeued while the flow is still ON is released from that
+  queue at once (as the C++ broker's QueueFlowLimit does).
+
+Why batch-shaped: a cffi call costs more than the same few lines of Python,
+so the broker never calls per message. It appends fixed-width ops to an
+``array('q')`` log while it processes one input batch, then ``apply(log)``
+replays the whole log in one call. A transfer is opened with a routing hold,
+each enqueue on a stopped queue adds a hold, and closing the transfer drops the
+routing hold; a transfer whose holds reach zero is complete. So the
+accounting, not Python per message, produces the completed command-id ranges.
+
+Op log: ``OP_WORDS`` int64 words per op, ``(op, a, b, c, d)``:
+
+* ``OP_TRANSFER (session, command_id, 0, 0)``: open a transfer.
+* ``OP_ENQUEUE (queue, nbytes, 0, 0)``: enqueue one message on ``queue`` for
+  the open transfer (or for no transfer, when none is open: nothing to hold).
+* ``OP_END (0, 0, 0, 0)``: close the open transfer (drop its routing hold).
+* ``OP_TRANSFER1 (session, command_id, queue, nbytes)``: the common case of
+  one destination, equal to TRANSFER + ENQUEUE + END.
+* ``OP_DEQUEUE (queue, nbytes, token, 0)``: dequeue one message; ``token`` is
+  the hold token reported when it was enqueued, or -1 if it was not held.
+
+``apply`` returns ``(completions, holds, transitions)``:
+
+* completions: ``[(session, first, last), ...]`` ranges of completed command
+  ids, consecutive ids coalesced, in the order they completed.
+* holds: ``[(op_index, token, session, queue), ...]`` for each held enqueue
+  (op_index counts ops, not words).
+* transitions: ``[(queue, flow_on, count, nbytes), ...]`` each time a queue's
+  flow state changed, with the depth at that moment.
+
+A hold token is ``generation << 32 | index`` into the queue's pending list;
+releasing the whole list bumps the generation, so stale tokens are ignored.
+A session slot is any int chosen by the caller; ``drop_session`` forgets a
+closed session's transfers: they leave the pending lists (the messages stay
+enqueued, the counts are untouched) and their completions are never reported.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from typing import Protocol
+
+OP_WORDS = 5
+OP_TRANSFER = 1
+OP_ENQUEUE = 2
+OP_END = 3
+OP_TRANSFER1 = 4
+OP_DEQUEUE = 5
+
+COUNT_MAX = 0xFFFFFFFF
+SIZE_MAX = 0xFFFFFFFFFFFFFFFF
+
+Completion = tuple[int, int, int]
+Hold = tuple[int, int, int, int]
+Transition = tuple[int, bool, int, int]
+
+
+class AccountingError(Exception):
+    """An impossible accounting state was requested (underflow, overflow,
+    unknown queue, malformed op). The state is left as it was before the op
+    that failed; ops before it in the same log have been applied."""
+
+
+class Accounting(Protocol):
+    name: str
+
+    def add_queue(self) -> int: ...
+    def remove_queue(self, queue: int) -> list[Completion]: ...
+    def set_thresholds(
+        self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
+    ) -> tuple[list[Completion], list[Transition]]: ...
+    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]: ...
+    def drop_session(self, session: int) -> None: ...
+    def stats(self, queue: int) -> tuple[int, int, bool, int, int]: ...
+
+
+class _Queue:
+    __slots__ = (
+        "count", "nbytes", "stop_count", "resume_count", "stop_size", "resume_size",
+        "flow_on", "stopped_count", "pending", "generation", "held",
+    )
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self.stop_count = 0
+        self.resume_count = 0
+        self.stop_size = 0
+        self.resume_size = 0
+        self.flow_on = False
+        self.stopped_count = 0
+        self.pending: list[int] = []  # transfer slots, -1 where released
+        self.generation = 0
+        self.held = 0  # live entries in pending
+
+    def over_stop(self) -> bool:
+        return (self.stop_count > 0 and self.count > self.stop_count) or (
+            self.stop_size > 0 and self.nbytes > self.stop_size
+        )
+
+    def under_resume(self) -> bool:
+        return (self.stop_count == 0 or self.count < self.resume_count) and (
+            self.stop_size == 0 or self.nbytes < self.resume_size
+        )
+
+
+class PyAccounting:
+    """The pure-Python accounting: the reference the C code must match."""
+
+    name = "python"
+
+    def __init__(self) -> None:
+        self._queues: list[_Queue | None] = []
+        self._free_queues: list[int] = []
+        # transfer slot -> [holds, session, command_id]; session None once
+        # dropped (not -1: a session may be any int, negative ones included)
+        self._transfers: list[list[int | None] | None] = []
+        self._free_transfers: list[int] = []
+
+    # -- queues -------------------------------------------------------------
+    def add_queue(self) -> int:
+        if self._free_queues:
+            slot = self._free_queues.pop()
+            self._queues[slot] = _Queue()
+        else:
+            slot = len(self._queues)
+            self._queues.append(_Queue())
+        return slot
+
+    def _queue(self, queue: int) -> _Queue:
+        if queue < 0 or queue >= len(self._queues) or self._queues[queue] is None:
+            raise AccountingError(f"unknown queue slot {queue}")
+        return self._queues[queue]  # type: ignore[return-value]
+
+    def _op_queue(self, index: int, queue: int) -> _Queue:
+        # As _queue, but the error names the op, like every other op log error.
+        if queue < 0 or queue >= len(self._queues) or self._queues[queue] is None:
+            raise AccountingError(f"op {index}: unknown queue slot {queue}")
+        return self._queues[queue]  # type: ignore[return-value]
+
+    def remove_queue(self, queue: int) -> list[Completion]:
+        q = self._queue(queue)
+        out: list[Completion] = []
+        self._release_all(q, out)
+        self._queues[queue] = None
+        self._free_queues.append(queue)
+        return out
+
+    def set_thresholds(
+        self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
+    ) -> tuple[list[Completion], list[Transition]]:
+        q = self._queue(queue)
+        if not (0 <= resume_count <= stop_count <= COUNT_MAX):
+            raise AccountingError(f"bad count thresholds {stop_count}/{resume_count}")
+        if not (0 <= resume_size <= stop_size <= SIZE_MAX):
+            raise AccountingError(f"bad size thresholds {stop_size}/{resume_size}")
+        q.stop_count, q.resume_count = stop_count, resume_count
+        q.stop_size, q.resume_size = stop_size, resume_size
+        completions: list[Completion] = []
+        transitions: list[Transition] = []
+        if not q.flow_on and q.over_stop():
+            q.flow_on = True
+            q.stopped_count = (q.stopped_count + 1) & COUNT_MAX
+            transitions.append((queue, True, q.count, q.nbytes))
+        elif q.flow_on and q.under_resume():
+            q.flow_on = False
+            transitions.append((queue, False, q.count, q.nbytes))
+            self._release_all(q, completions)
+        return completions, transitions
+
+    def stats(self, queue: int) -> tuple[int, int, bool, int, int]:
+        """(count, bytes, flow_on, stopped_count, held)."""
+        q = self._queue(queue)
+        return q.count, q.nbytes, q.flow_on, q.stopped_count, q.held
+
+    # -- transfers ----------------------------------------------------------
+    def _new_transfer(self, session: int, command_id: int) -> int:
+        if self._free_transfers:
+            slot = self._free_transfers.pop()
+            self._transfers[slot] = [1, session, command_id]
+        else:
+            slot = len(self._transfers)
+            self._transfers.append([1, session, command_id])
+        return slot
+
+    def _unhold(self, slot: int, out: list[Completion]) -> None:
+        t = self._transfers[slot]
+        assert t is not None
+        t[0] -= 1  # type: ignore[operator]
+        if t[0] == 0:
+            if t[1] is not None:
+                _add_completion(out, t[1], t[2])  # type: ignore[arg-type]
+            self._transfers[slot] = None
+            self._free_transfers.append(slot)
+
+    def _release_all(self, q: _Queue, out: list[Completion]) -> None:
+        pending = q.pending
+        q.pending = []
+        q.generation = (q.generation + 1) & 0x7FFFFFFF
+        q.held = 0
+        for slot in pending:
+            if slot >= 0:
+                self._unhold(slot, out)
+
+    def drop_session(self, session: int) -> None:
+        for q in self._queues:
+            if q is None:
+                continue
+            pending = q.pending
+            for i, slot in enumerate(pending):
+                if slot >= 0 and self._transfers[slot][1] == session:  # type: ignore[index]
+                    pending[i] = -1
+                    q.held -= 1
+                    self._unhold(slot, [])
+        for t in self._transfers:
+            if t is not None and t[1] == session:
+                t[1] = None
+
+    # -- the batch ----------------------------------------------------------
+    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]:
+        completions: list[Completion] = []
+        holds: list[Hold] = []
+        transitions: list[Transition] = []
+        nwords = len(log)
+        if nwords % OP_WORDS:
+            raise AccountingError(f"op log of {nwords} words is not a multiple of {OP_WORDS}")
+        current = -1  # slot of the open transfer, -1 if none
+        session = command_id = 0
+        opened = False
+        for index in range(nwords // OP_WORDS):
+            base = index * OP_WORDS
+            op = log[base]
+            a = log[base + 1]
+            b = log[base + 2]
+            if op == OP_TRANSFER or op == OP_TRANSFER1:
+                if opened:
+                    raise AccountingError(f"op {index}: transfer opened inside a transfer")
+                opened, current, session, command_id = True, -1, a, b
+                if op == OP_TRANSFER:
+                    continue
+                a = log[base + 3]
+                b = log[base + 4]
+            if op == OP_ENQUEUE or op == OP_TRANSFER1:
+                q = self._op_queue(index, a)
+                if b < 0 or q.nbytes + b > SIZE_MAX or q.count >= COUNT_MAX:
+                    raise AccountingError(f"op {index}: enqueue overflows queue {a}")
+                q.count += 1
+                q.nbytes += b
+                if not q.flow_on and q.over_stop():
+                    q.flow_on = True
+                    q.stopped_count = (q.stopped_count + 1) & COUNT_MAX
+                    transitions.append((a, True, q.count, q.nbytes))
+                if q.flow_on and opened:
+                    if current < 0:
+                        current = self._new_transfer(session, command_id)
+                    self._transfers[current][0] += 1  # type: ignore[index]
+                    token = (q.generation << 32) | len(q.pending)
+                    q.pending.append(current)
+                    q.held += 1
+                    holds.append((index, token, session, a))
+                if op == OP_ENQUEUE:
+                    continue
+            if op == OP_END or op == OP_TRANSFER1:
+                if not opened:
+                    raise AccountingError(f"op {index}: end without a transfer")
+                opened = False
+                if current < 0:
+                    _add_completion(completions, session, command_id)
+                else:
+                    self._unhold(current, completions)
+            elif op == OP_DEQUEUE:
+                q = self._op_queue(index, a)
+                if q.count == 0 or b < 0 or b > q.nbytes:
+                    raise AccountingError(f"op {index}: dequeue underflows queue {a}")
+                q.count -= 1
+                q.nbytes -= b
+                if q.flow_on and q.under_resume():
+                    q.flow_on = False
+                    transitions.append((a, False, q.count, q.nbytes))
+                    self._release_all(q, completions)
+                else:
+                    token = log[base + 3]
+                    if token >= 0 and (token >> 32) == q.generation:
+                        i = token & 0xFFFFFFFF
+                        if i < len(q.pending) and q.pending[i] >= 0:
+                            slot = q.pending[i]
+                            q.pending[i] = -1
+                            q.held -= 1
+                            self._unhold(slot, completions)
+            elif op != OP_TRANSFER1:
+                raise AccountingError(f"op {index}: unknown op code {op}")
+        if opened:
+            raise AccountingError("op log ends inside a transfer")
+        return completions, holds, transitions
+
+
+def _add_completion(out: list[Completion], session: int, command_id: int) -> None:
+    if out:
+        s, first, last = out[-1]
+        if s == session and last + 1 == command_id:
+            out[-1] = (s, first, command_id)
+            return
+    out.append((session, command_id, command_id))
+
+
+def native_available() -> bool:
+    try:
+        from qflow import _accounting_native  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_accounting(kind: str | None = None) -> Accounting:
+    """Return the accounting named by ``kind`` or ``$QFLOW_ACCOUNTING``:
+    ``native`` (the default when the C extension is built) or ``python``."""
+    kind = kind or os.environ.get("QFLOW_ACCOUNTING") or ("native" if native_available() else "python")
+    if kind == "python":
+        return PyAccounting()
+    if kind == "native":
+        from qflow._native_accounting import NativeAccounting
+
+        return NativeAccounting()
+    raise ValueError(f"QFLOW_ACCOUNTING must be 'native' or 'python', not {kind!r}")

@@ -1,0 +1,640 @@
+"""The trio client: connections, sessions, senders with a capacity, receivers with credit.
+
+    async with await qflow.connect("127.0.0.1", 5672) as conn:
+        ssn = await conn.session()
+        await ssn.declare_queue("orders")
+        sender = ssn.sender("orders", capacity=100)
+        await sender.send(b"hello")
+        await sender.sync()
+
+A sender's *capacity* is the number of its transfers that may be incomplete;
+``send`` waits while that many are outstanding. The broker holds completions
+back while a destination queue's flow is stopped, so a sender stops after at
+most ``capacity`` transfers: that is producer flow control.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import Any
+
+import trio
+
+from qflow import protocol as P
+from qflow.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError
+from qflow.ranges import RangeSet
+from qflow.session import OutgoingCommands
+
+log = logging.getLogger("qflow.client")
+
+
+class QflowError(Exception):
+    """An error reported by the broker, with its AMQP-style code and text."""
+
+    code = 0
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"{text} (code {code})")
+        self.code = code
+        self.text = text
+
+
+class NotFound(QflowError):
+    pass
+
+
+class ResourceLocked(QflowError):
+    pass
+
+
+class PreconditionFailed(QflowError):
+    pass
+
+
+class ResourceLimitExceeded(QflowError):
+    pass
+
+
+class InvalidArgument(QflowError):
+    pass
+
+
+class NotAllowed(QflowError):
+    pass
+
+
+class ConnectionClosed(QflowError):
+    """The connection ended; ``code``/``text`` say why when the broker said."""
+
+
+class FlowControlTimeout(QflowError):
+    """``send`` waited longer than the sender's flow_timeout; the message was not sent."""
+
+
+_BY_CODE = {P.NOT_FOUND: NotFound, P.RESOURCE_LOCKED: ResourceLocked, P.PRECONDITION_FAILED: PreconditionFailed,
+            P.RESOURCE_LIMIT_EXCEEDED: ResourceLimitExceeded, P.INVALID_ARGUMENT: InvalidArgument,
+            P.NOT_ALLOWED: NotAllowed}
+
+
+def error_for(code: int, text: str) -> QflowError:
+    return _BY_CODE.get(code, QflowError)(code, text)
+
+
+async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", heartbeat: float = 0,
+                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> Connection:
+    """Open a connection (ANONYMOUS) and wait for the broker's connection.open-ok."""
+    stream = await trio.open_tcp_stream(host, port)
+    conn = Connection(stream, name, heartbeat, max_frame_size)
+    await conn._start()
+    return conn
+
+
+class _Waiter:
+    __slots__ = ("event", "result", "error")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.result: Any = None
+        self.error: QflowError | None = None
+
+
+class Connection:
+    def __init__(self, stream: trio.SocketStream, name: str, heartbeat: float, max_frame_size: int) -> None:
+        self.stream = stream
+        self.name = name
+        self.heartbeat = heartbeat
+        self.max_frame_size = max_frame_size
+        self.decoder = FrameDecoder(max_frame_size, expect_header=False)
+        self.encoder = FrameEncoder()
+        self.sessions: dict[int, Session] = {}
+        self.error: ConnectionClosed | None = None
+        self._opened = trio.Event()
+        self._wake = trio.Event()
+        self._closed = trio.Event()
+        self._next_channel = 0
+        self._nursery_cm: Any = None
+        self._nursery: trio.Nursery | None = None
+
+    async def _start(self) -> None:
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        self.encoder.write_header()
+        self.encoder.write([P.OPEN, {"mechanism": "ANONYMOUS", "name": self.name, "heartbeat": self.heartbeat,
+                                     "max_frame_size": self.max_frame_size}])
+        self._nursery.start_soon(self._reader)
+        self._nursery.start_soon(self._writer)
+        if self.heartbeat:
+            self._nursery.start_soon(self._heartbeats)
+        self.wake()
+        await self._wait(self._opened)
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def _wait(self, event: trio.Event) -> None:
+        """Wait for ``event`` unless the connection closes first."""
+        if event.is_set():
+            return
+        self.check()
+        async with trio.open_nursery() as nursery:
+            async def watch_close() -> None:
+                await self._closed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_close)
+            await event.wait()
+            nursery.cancel_scope.cancel()
+        if not event.is_set():
+            self.check()
+
+    async def session(self, name: str = "") -> Session:
+        self.check()
+        channel = self._next_channel
+        self._next_channel += 1
+        ssn = Session(self, channel, name)
+        self.sessions[channel] = ssn
+        self.encoder.write([P.ATTACH, channel, name])
+        self.wake()
+        await self._wait(ssn._attached)
+        return ssn
+
+    async def close(self) -> None:
+        if self._nursery is None:
+            return
+        if self.error is None:
+            self.encoder.write([P.CLOSE, P.NORMAL, "client closing"])
+            self.wake()
+            with trio.move_on_after(2):
+                await self._closed.wait()
+        self._shutdown(ConnectionClosed(P.NORMAL, "connection closed by the client"))
+        self._nursery.cancel_scope.cancel()
+        cm, self._nursery, self._nursery_cm = self._nursery_cm, None, None
+        await cm.__aexit__(None, None, None)
+        await self.stream.aclose()
+
+    def _shutdown(self, error: ConnectionClosed) -> None:
+        if self.error is None:
+            self.error = error
+        self._closed.set()
+        for ssn in self.sessions.values():
+            ssn._shutdown(self.error)
+
+    async def _writer(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while len(self.encoder):
+                    await self.stream.send_all(self.encoder.take())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.heartbeat)
+            self.encoder.write([P.HEARTBEAT])
+            self.wake()
+
+    async def _reader(self) -> None:
+        timeout = self.heartbeat * 2 if self.heartbeat else math.inf
+        try:
+            while True:
+                with trio.move_on_after(timeout) as scope:
+                    data = await self.stream.receive_some(READ_SIZE)
+                if scope.cancelled_caught:
+                    raise ConnectionClosed(P.CONNECTION_FORCED, f"no frame from the broker for {timeout} s")
+                if not data:
+                    raise ConnectionClosed(P.CONNECTION_FORCED, "connection closed by the broker")
+                self.decoder.feed(data)
+                for frame in self.decoder.frames():
+                    self._handle(frame)
+        except ConnectionClosed as exc:
+            self._shutdown(exc)
+        except FramingError as exc:
+            self._shutdown(ConnectionClosed(exc.code, f"bad data from the broker: {exc}"))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
+
+    def _handle(self, frame: list[Any]) -> None:
+        code = frame[0]
+        if code == P.DELIVER:
+            self.sessions[frame[1]]._deliver(frame)
+        elif code == P.COMPLETED:
+            self.sessions[frame[1]]._completed(frame[2])
+        elif code == P.RESULT:
+            self.sessions[frame[1]]._result(frame[2], frame[3])
+        elif code == P.EXCEPTION:
+            self.sessions[frame[1]]._exception(frame[2], frame[3], frame[4])
+        elif code == P.FLOW_NOTICE:
+            self.sessions[frame[1]]._flow_notice(frame[2], frame[3])
+        elif code == P.ATTACHED:
+            self.sessions[frame[1]]._attached.set()
+        elif code == P.DETACHED:
+            ssn = self.sessions.pop(frame[1], None)
+            if ssn is not None:
+                ssn._shutdown(ConnectionClosed(frame[2], f"session detached: {frame[3]}"))
+        elif code == P.OPEN_OK:
+            self.max_frame_size = frame[1].get("max_frame_size", self.max_frame_size)
+            self._opened.set()
+        elif code == P.CLOSE:
+            raise ConnectionClosed(frame[1], frame[2])
+        elif code == P.HEARTBEAT:
+            pass
+        else:
+            raise ConnectionClosed(P.FRAMING_ERROR, f"unexpected frame code {code} from the broker")
+
+
+class Session:
+    def __init__(self, conn: Connection, channel: int, name: str) -> None:
+        self.conn = conn
+        self.channel = channel
+        self.name = name
+        self.commands = OutgoingCommands()
+        self.senders: list[Sender] = []
+        self.receivers: dict[str, Receiver] = {}
+        self.held_by: dict[str, float] = {}  # queue -> trio time its flow notice arrived
+        self.error: ConnectionClosed | None = None
+        self._attached = trio.Event()
+        self._all_done = trio.Event()
+        self._next_destination = 0
+
+    # -- frames from the connection ------------------------------------------
+    def _completed(self, wire: list[int]) -> None:
+        for _cid, owner in self.commands.completed(wire):
+            if owner is None:
+                continue
+            if type(owner) is _Waiter:
+                owner.event.set()
+            else:
+                owner._complete_one()
+        if not self.commands.incomplete:
+            self._all_done.set()
+
+    def _result(self, cid: int, value: Any) -> None:
+        owner = self.commands.incomplete.get(cid)
+        if type(owner) is _Waiter:
+            owner.result = value
+
+    def _exception(self, cid: int, code: int, text: str) -> None:
+        owner = self.commands.incomplete.get(cid)
+        err = error_for(code, text)
+        if type(owner) is _Waiter:
+            owner.error = err
+        elif isinstance(owner, Sender):
+            owner.errors.append(err)
+        else:
+            log.warning("broker refused command %d: %s", cid, err)
+
+    def _deliver(self, frame: list[Any]) -> None:
+        receiver = self.receivers.get(frame[2])
+        if receiver is not None:
+            receiver._deliver(frame)
+
+    def _flow_notice(self, queue: str, held: bool) -> None:
+        if held:
+            self.held_by[queue] = trio.current_time()
+        else:
+            self.held_by.pop(queue, None)
+
+    def _shutdown(self, error: ConnectionClosed) -> None:
+        self.error = error
+        self._all_done.set()
+        for owner in list(self.commands.incomplete.values()):
+            if type(owner) is _Waiter:
+                owner.error = owner.error or error
+                owner.event.set()
+        for sender in self.senders:
+            sender._wake()
+        for receiver in self.receivers.values():
+            receiver._event.set()
+
+    # -- commands ---------------------------------------------------------------
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _send_command(self, code: int, *fields: Any, owner: Any = None) -> int:
+        self.check()
+        cid = self.commands.send(owner)
+        self._all_done = trio.Event() if self._all_done.is_set() else self._all_done
+        self.conn.encoder.write([code, self.channel, *fields])
+        self.conn.wake()
+        return cid
+
+    async def _call(self, code: int, *fields: Any) -> Any:
+        waiter = _Waiter()
+        self._send_command(code, *fields, owner=waiter)
+        await self.conn._wait(waiter.event)
+        if waiter.error is not None:
+            raise waiter.error
+        self.check()
+        return waiter.result
+
+    async def declare_queue(self, name: str, *, durable: bool = False, exclusive: bool = False,
+                            auto_delete: bool = False, arguments: dict[str, Any] | None = None,
+                            passive: bool = False) -> dict[str, Any]:
+        return await self._call(P.QUEUE_DECLARE, name, durable, exclusive, auto_delete, arguments or {}, passive)
+
+    async def delete_queue(self, name: str, *, if_empty: bool = False, if_unused: bool = False) -> dict[str, Any]:
+        return await self._call(P.QUEUE_DELETE, name, if_empty, if_unused)
+
+    async def purge_queue(self, name: str) -> dict[str, Any]:
+        return await self._call(P.QUEUE_PURGE, name)
+
+    async def query_queue(self, name: str) -> dict[str, Any]:
+        """The queue's statistics, with the QMF names (msgDepth, flowStopped, ...)."""
+        return await self._call(P.QUEUE_QUERY, name)
+
+    async def modify_queue(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Change a live queue's limits or flow thresholds."""
+        return await self._call(P.QUEUE_MODIFY, name, arguments)
+
+    async def declare_exchange(self, name: str, type: str = "direct", *, durable: bool = False,
+                               passive: bool = False) -> dict[str, Any]:
+        return await self._call(P.EXCHANGE_DECLARE, name, type, durable, passive)
+
+    async def delete_exchange(self, name: str, *, if_unused: bool = False) -> None:
+        await self._call(P.EXCHANGE_DELETE, name, if_unused)
+
+    async def bind(self, exchange: str, queue: str, key: str = "") -> None:
+        await self._call(P.EXCHANGE_BIND, exchange, queue, key)
+
+    async def unbind(self, exchange: str, queue: str, key: str = "") -> None:
+        await self._call(P.EXCHANGE_UNBIND, exchange, queue, key)
+
+    async def sync(self) -> None:
+        """execution.sync: wait until every command sent so far is complete."""
+        await self._call(P.SYNC)
+
+    def sender(self, address: str, *, capacity: int = 1000, rate: float | None = None,
+               flow_notify: float = 5.0, flow_timeout: float | None = None) -> Sender:
+        """A sender to ``address``: a queue name (default exchange) or ``EXCHANGE/ROUTING-KEY``."""
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        exchange, _, key = address.partition("/") if "/" in address else ("", "", address)
+        sender = Sender(self, exchange, key, capacity, rate, flow_notify, flow_timeout)
+        self.senders.append(sender)
+        self._announce_capacity()
+        return sender
+
+    def _announce_capacity(self) -> None:
+        self._send_command(P.SENDER_CAPACITY, sum(s.capacity for s in self.senders if not s.closed))
+
+    async def receiver(self, queue: str, *, capacity: int = 1000, accept: str = "auto",
+                       destination: str | None = None, rate: float | None = None,
+                       ack_frequency: int | None = None) -> Receiver:
+        """Subscribe to ``queue``. ``accept``: ``auto`` (fetched messages are
+        accepted in batches), ``explicit`` (call ``accept``), or ``none`` (the
+        broker dequeues on delivery). ``capacity`` is the credit window in messages."""
+        if accept not in ("auto", "explicit", "none"):
+            raise ValueError("accept must be 'auto', 'explicit' or 'none'")
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        if destination is None:
+            destination = f"{queue}#{self._next_destination}"
+            self._next_destination += 1
+        receiver = Receiver(self, queue, destination, capacity, accept, rate, ack_frequency)
+        self.receivers[destination] = receiver
+        mode = P.ACCEPT_NONE if accept == "none" else P.ACCEPT_EXPLICIT
+        try:
+            await self._call(P.SUBSCRIBE, queue, destination, mode, P.ACQUIRE_PRE_ACQUIRED)
+        except BaseException:
+            del self.receivers[destination]
+            raise
+        self._send_command(P.FLOW, destination, capacity, P.UNLIMITED)
+        return receiver
+
+
+class Sender:
+    def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
+                 flow_notify: float, flow_timeout: float | None) -> None:
+        self.session = session
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.capacity = capacity
+        self.incomplete = 0
+        self.max_incomplete = 0  # the most ever outstanding at once
+        self.errors: list[QflowError] = []
+        self.closed = False
+        self.flow_notify = flow_notify
+        self.flow_timeout = flow_timeout
+        self._interval = 1.0 / rate if rate else 0.0
+        self._next_send = 0.0
+        self._space = trio.Event()
+
+    def _complete_one(self) -> None:
+        self.incomplete -= 1
+        self._space.set()
+
+    def _wake(self) -> None:
+        self._space.set()
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+        self.session.check()
+
+    async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
+                   correlation_id: str | None = None, content_type: str | None = None, durable: bool = False,
+                   headers: dict[str, Any] | None = None) -> None:
+        """Send one message; waits while ``capacity`` transfers are incomplete.
+        Raises the broker's error for an earlier transfer that it refused."""
+        if self.errors or self.session.error:
+            self._raise_errors()
+        if self.incomplete >= self.capacity:
+            await self._wait_for_space()
+        if self._interval:
+            now = trio.current_time()
+            self._next_send = max(self._next_send + self._interval, now)
+            if self._next_send > now:
+                await trio.sleep_until(self._next_send)
+        if type(body) is str:
+            body = body.encode()
+        props = None
+        if message_id is not None or correlation_id is not None or content_type is not None or durable or headers:
+            props = {}
+            if message_id is not None:
+                props["message_id"] = message_id
+            if correlation_id is not None:
+                props["correlation_id"] = correlation_id
+            if content_type is not None:
+                props["content_type"] = content_type
+            if durable:
+                props["durable"] = True
+            if headers:
+                props["headers"] = headers
+        self.session._send_command(P.TRANSFER, self.exchange, self.routing_key if routing_key is None else routing_key,
+                                   props, body, owner=self)
+        self.incomplete += 1
+        if self.incomplete > self.max_incomplete:
+            self.max_incomplete = self.incomplete
+
+    async def _wait_for_space(self) -> None:
+        started = trio.current_time()
+        next_notice = started + self.flow_notify
+        deadline = started + self.flow_timeout if self.flow_timeout else math.inf
+        while self.incomplete >= self.capacity:
+            self._raise_errors()
+            self._space = trio.Event()
+            with trio.move_on_at(min(next_notice, deadline)):
+                await self.session.conn._wait(self._space)
+                continue
+            now = trio.current_time()
+            held = ", ".join(sorted(self.session.held_by)) or "none"
+            if now >= deadline:
+                raise FlowControlTimeout(
+                    P.RESOURCE_LIMIT_EXCEEDED,
+                    f"send timed out after {now - started:.0f}s waiting for broker flow control (queues: {held})")
+            if self.session.held_by:
+                log.warning("send delayed by %.0fs due to broker flow control on queue %s", now - started, held)
+            next_notice += self.flow_notify
+        self._raise_errors()
+
+    async def sync(self) -> None:
+        """Wait until every transfer of this sender is complete; raises the
+        first refusal among them, if any."""
+        self.session.conn.encoder.write([P.FLUSH, self.session.channel])
+        self.session.conn.wake()
+        while self.incomplete:
+            self._raise_errors()
+            self._space = trio.Event()
+            await self.session.conn._wait(self._space)
+        self._raise_errors()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.session._announce_capacity()
+
+
+class ReceivedMessage:
+    __slots__ = ("body", "exchange", "routing_key", "properties", "redelivered", "delivery_id", "_receiver")
+
+    def __init__(self, receiver: Receiver, frame: list[Any]) -> None:
+        self._receiver = receiver
+        self.delivery_id = frame[3]
+        self.redelivered = frame[4]
+        self.exchange = frame[5]
+        self.routing_key = frame[6]
+        self.properties = frame[7] or {}
+        self.body: bytes = frame[8]
+
+    @property
+    def message_id(self) -> str | None:
+        return self.properties.get("message_id")
+
+    @property
+    def correlation_id(self) -> str | None:
+        return self.properties.get("correlation_id")
+
+    @property
+    def content_type(self) -> str | None:
+        return self.properties.get("content_type")
+
+    @property
+    def durable(self) -> bool:
+        return bool(self.properties.get("durable", False))
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        return self.properties.get("headers") or {}
+
+    def accept(self) -> None:
+        self._receiver.accept([self])
+
+    def release(self) -> None:
+        self._receiver.release([self])
+
+
+class Empty(Exception):
+    """``fetch`` timed out with no message."""
+
+
+class Receiver:
+    def __init__(self, session: Session, queue: str, destination: str, capacity: int, accept: str,
+                 rate: float | None, ack_frequency: int | None) -> None:
+        self.session = session
+        self.queue = queue
+        self.destination = destination
+        self.capacity = capacity
+        self.accept_mode = accept
+        self.ack_frequency = ack_frequency or max(1, capacity // 2)
+        self._buffer: deque[ReceivedMessage] = deque()
+        self._event = trio.Event()
+        self._fetched = 0  # credit to give back
+        self._to_accept = RangeSet()
+        self._n_to_accept = 0
+        self._interval = 1.0 / rate if rate else 0.0
+        self._next_fetch = 0.0
+
+    def _deliver(self, frame: list[Any]) -> None:
+        self._buffer.append(ReceivedMessage(self, frame))
+        self._event.set()
+
+    def available(self) -> int:
+        return len(self._buffer)
+
+    async def fetch(self, timeout: float | None = None) -> ReceivedMessage:
+        """The next message; raises Empty after ``timeout`` seconds without one."""
+        if self._interval:
+            now = trio.current_time()
+            self._next_fetch = max(self._next_fetch + self._interval, now)
+            if self._next_fetch > now:
+                await trio.sleep_until(self._next_fetch)
+        while not self._buffer:
+            self.session.check()
+            self._flush_acks()
+            self._event = trio.Event()
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await self.session.conn._wait(self._event)
+            if not self._buffer:
+                self.session.check()
+                if not self._event.is_set():
+                    raise Empty(f"no message on {self.queue!r} within {timeout} s")
+        msg = self._buffer.popleft()
+        self._fetched += 1
+        if self.accept_mode == "auto":
+            self._to_accept.add(msg.delivery_id)
+            self._n_to_accept += 1
+            if self._n_to_accept >= self.ack_frequency:
+                self._flush_acks()
+        if self._fetched >= max(1, self.capacity // 2):
+            self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
+            self._fetched = 0
+        return msg
+
+    def _flush_acks(self) -> None:
+        if self._n_to_accept and self.session.error is None:
+            self.session._send_command(P.ACCEPT, self._to_accept.to_wire())
+            self._to_accept = RangeSet()
+            self._n_to_accept = 0
+
+    def accept(self, messages: list[ReceivedMessage]) -> None:
+        ids = RangeSet()
+        for m in messages:
+            ids.add(m.delivery_id)
+        self.session._send_command(P.ACCEPT, ids.to_wire())
+
+    def release(self, messages: list[ReceivedMessage]) -> None:
+        ids = RangeSet()
+        for m in messages:
+            ids.add(m.delivery_id)
+        self.session._send_command(P.RELEASE, ids.to_wire())
+
+    async def close(self) -> None:
+        """Accept what was fetched (auto mode) and cancel the subscription."""
+        self._flush_acks()
+        await self.session._call(P.CANCEL, self.destination)
+        self.session.receivers.pop(self.destination, None)

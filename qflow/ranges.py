@@ -1,0 +1,101 @@
+"""Ranged sets of ids (command ids, delivery ids), as AMQP 0-10's sequence sets.
+
+Stored as a sorted list of disjoint, non-adjacent ``[first, last]`` ranges.
+Ids usually arrive in increasing order, so adding at the end is the fast path.
+On the wire a set is a flat list ``[first0, last0, first1, last1, ...]``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+
+
+class RangeSet:
+    __slots__ = ("_firsts", "_lasts")
+
+    def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
+        self._firsts: list[int] = []
+        self._lasts: list[int] = []
+        for first, last in ranges:
+            self.add_range(first, last)
+
+    @classmethod
+    def from_wire(cls, flat: object) -> RangeSet:
+        """Parse ``[f0, l0, f1, l1, ...]``; raises ValueError naming the fault."""
+        if type(flat) is not list or len(flat) % 2:
+            raise ValueError("a range set is a list of [first, last] pairs flattened")
+        rs = cls()
+        for i in range(0, len(flat), 2):
+            first, last = flat[i], flat[i + 1]
+            if type(first) is not int or type(last) is not int or first < 0 or last < first:
+                raise ValueError(f"bad range [{first!r}, {last!r}]")
+            rs.add_range(first, last)
+        return rs
+
+    def to_wire(self) -> list[int]:
+        out: list[int] = []
+        for first, last in zip(self._firsts, self._lasts, strict=True):
+            out.append(first)
+            out.append(last)
+        return out
+
+    def add(self, value: int) -> None:
+        self.add_range(value, value)
+
+    def add_range(self, first: int, last: int) -> None:
+        firsts, lasts = self._firsts, self._lasts
+        if not firsts or first > lasts[-1] + 1:
+            firsts.append(first)
+            lasts.append(last)
+            return
+        if first >= firsts[-1]:  # overlaps or touches the last range
+            if last > lasts[-1]:
+                lasts[-1] = last
+            return
+        # General case: merge every range overlapping or adjacent to [first, last].
+        i = bisect_left(lasts, first - 1)
+        j = i
+        while j < len(firsts) and firsts[j] <= last + 1:
+            first = min(first, firsts[j])
+            last = max(last, lasts[j])
+            j += 1
+        firsts[i:j] = [first]
+        lasts[i:j] = [last]
+
+    def update(self, other: RangeSet) -> None:
+        for first, last in zip(other._firsts, other._lasts, strict=True):
+            self.add_range(first, last)
+
+    def __contains__(self, value: int) -> bool:
+        i = bisect_left(self._lasts, value)
+        return i < len(self._firsts) and self._firsts[i] <= value
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        return zip(self._firsts, self._lasts, strict=True)
+
+    def __iter__(self) -> Iterator[int]:
+        for first, last in zip(self._firsts, self._lasts, strict=True):
+            yield from range(first, last + 1)
+
+    def __len__(self) -> int:
+        return sum(last - first + 1 for first, last in zip(self._firsts, self._lasts, strict=True))
+
+    def __bool__(self) -> bool:
+        return bool(self._firsts)
+
+    def clear(self) -> None:
+        self._firsts.clear()
+        self._lasts.clear()
+
+    def prefix_end(self, start: int = 0) -> int:
+        """The largest n such that every id in [start, n) is in the set."""
+        if self._firsts and self._firsts[0] <= start:
+            return self._lasts[0] + 1
+        return start
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RangeSet) and self._firsts == other._firsts and self._lasts == other._lasts
+
+    def __repr__(self) -> str:
+        return f"RangeSet({list(self.ranges())!r})"

@@ -1,0 +1,269 @@
+"""qflowd's network side: trio wraps the sans-I/O core.
+
+Each connection owns a nursery with a reader (receive up to 256 KiB, decode
+every frame in it, then one ``Broker.flush``) and a writer (sends whatever
+the encoder has gathered, as one write). A connection error (bad header,
+malformed frame, frame too large, protocol misuse) closes that connection
+with a ``connection.close`` naming the fault; other connections carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import trio
+
+from qflow import protocol as P
+from qflow.broker import _NO_COMPLETE, Broker, BrokerSession
+from qflow.framing import (
+    DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError,
+)
+from qflow.protocol import CommandError
+
+log = logging.getLogger("qflow.server")
+
+MAX_SESSIONS = 256
+
+
+class ConnectionError_(Exception):  # noqa: N801 - distinct from the builtin
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+class Connection:
+    def __init__(self, broker: Broker, stream: trio.SocketStream, max_frame_size: int, peer: str) -> None:
+        self.broker = broker
+        self.stream = stream
+        self.peer = peer
+        self.max_frame_size = max_frame_size
+        self.decoder = FrameDecoder(max_frame_size)
+        self.encoder = FrameEncoder()
+        self.sessions: dict[int, BrokerSession] = {}
+        self.opened = False
+        self.name = ""
+        self.heartbeat = 0
+        self._wake = trio.Event()
+        self._closing = False
+        self.connected_at = trio.current_time()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer)
+            try:
+                await self._reader()
+            except ConnectionError_ as exc:
+                log.info("connection %s closed: %s", self.peer, exc.text)
+                self.encoder.write([P.CLOSE, exc.code, exc.text])
+            except FramingError as exc:
+                log.info("connection %s closed: %s", self.peer, exc)
+                if not self.decoder.header_done:
+                    # As AMQP: answer a bad header with our own, then close.
+                    self.encoder.write_header()
+                self.encoder.write([P.CLOSE, exc.code, str(exc)])
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            finally:
+                self._closing = True
+                self._close_sessions()
+                with trio.move_on_after(1):
+                    await self._send_pending()
+                nursery.cancel_scope.cancel()
+        await self.stream.aclose()
+
+    def _close_sessions(self) -> None:
+        for ssn in list(self.sessions.values()):
+            self.broker.close_session(ssn)
+        self.sessions.clear()
+
+    async def _send_pending(self) -> None:
+        if len(self.encoder):
+            try:
+                await self.stream.send_all(self.encoder.take())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
+    async def _writer(self) -> None:
+        encoder = self.encoder
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while len(encoder):
+                await self.stream.send_all(encoder.take())
+
+    async def _reader(self) -> None:
+        receive = self.stream.receive_some
+        decoder = self.decoder
+        while True:
+            timeout = self.heartbeat * 2 if self.heartbeat else math.inf
+            with trio.move_on_after(timeout) as scope:
+                data = await receive(READ_SIZE)
+            if scope.cancelled_caught:
+                raise ConnectionError_(P.CONNECTION_FORCED, f"no frame for {timeout} seconds (heartbeat)")
+            if not data:
+                return
+            decoder.feed(data)
+            self._handle_frames()
+            self.broker.flush()
+
+    def _handle_frames(self) -> None:
+        broker = self.broker
+        sessions = self.sessions
+        for frame in self.decoder.frames():
+            code = frame[0]
+            if code == P.TRANSFER:
+                ssn = sessions.get(frame[1]) if len(frame) > 1 else None
+                if ssn is None:
+                    self._no_session(frame)
+                cid = ssn.commands.receive()
+                try:
+                    if len(frame) != 6:
+                        P.parse_command(frame)
+                    exchange, routing_key, props, body = frame[2], frame[3], frame[4], frame[5]
+                    if type(body) is not bytes or type(exchange) is not str or type(routing_key) is not str:
+                        P.parse_command(frame)
+                    broker.transfer(ssn, cid, exchange, routing_key, props, body)
+                except CommandError as exc:
+                    broker.fail(ssn, cid, exc.code, exc.text)
+            elif code >= P.FIRST_COMMAND:
+                ssn = sessions.get(frame[1]) if len(frame) > 1 else None
+                if ssn is None:
+                    self._no_session(frame)
+                cid = ssn.commands.receive()
+                try:
+                    args = P.parse_command(frame)
+                    result = broker.execute(ssn, cid, code, args)
+                except CommandError as exc:
+                    broker.fail(ssn, cid, exc.code, exc.text)
+                    continue
+                if result is _NO_COMPLETE:
+                    continue
+                if result is not None:
+                    self.encoder.write([P.RESULT, ssn.channel, cid, result])
+                ssn.commands.complete(cid)
+                broker._dirty_sessions[ssn] = None
+            else:
+                self._control(frame)
+
+    def _no_session(self, frame: list[Any]) -> None:
+        channel = frame[1] if len(frame) > 1 else None
+        raise ConnectionError_(P.COMMAND_INVALID,
+                               f"{P.command_name(frame[0])} on channel {channel!r}, which has no attached session")
+
+    def _control(self, frame: list[Any]) -> None:
+        code = frame[0]
+        if not self.opened:
+            if code != P.OPEN:
+                raise ConnectionError_(P.COMMAND_INVALID, f"expected connection.open first, got frame code {code}")
+            self._open(frame)
+            return
+        if code == P.HEARTBEAT:
+            return
+        if code == P.ATTACH:
+            if len(frame) != 3 or type(frame[1]) is not int or type(frame[2]) is not str:
+                raise ConnectionError_(P.COMMAND_INVALID, "session.attach must be [10, channel, name]")
+            channel = frame[1]
+            if channel in self.sessions:
+                raise ConnectionError_(P.COMMAND_INVALID, f"session.attach: channel {channel} is already attached")
+            if len(self.sessions) >= MAX_SESSIONS or not 0 <= channel < 65536:
+                raise ConnectionError_(P.RESOURCE_LIMIT_EXCEEDED,
+                                       f"session.attach: channel {channel} out of range or too many sessions")
+            self.sessions[channel] = self.broker.open_session(self, channel, frame[2])
+            self.encoder.write([P.ATTACHED, channel])
+            self.wake()
+        elif code == P.DETACH:
+            ssn = self.sessions.pop(frame[1], None) if len(frame) == 2 else None
+            if ssn is None:
+                raise ConnectionError_(P.COMMAND_INVALID, f"session.detach: bad frame or no session: {frame!r:.80}")
+            self.broker.flush()
+            self.broker.close_session(ssn)
+            self.encoder.write([P.DETACHED, ssn.channel, P.NORMAL, "detached"])
+            self.wake()
+        elif code == P.FLUSH:
+            ssn = self.sessions.get(frame[1]) if len(frame) == 2 else None
+            if ssn is None:
+                raise ConnectionError_(P.COMMAND_INVALID, f"session.flush: bad frame or no session: {frame!r:.80}")
+            self.broker._dirty_sessions[ssn] = None  # flush() at the end of this batch reports
+        elif code == P.CLOSE:
+            raise ConnectionError_(P.NORMAL, "closed by the client")
+        elif code == P.OPEN:
+            raise ConnectionError_(P.COMMAND_INVALID, "connection.open sent twice")
+        else:
+            raise ConnectionError_(P.COMMAND_INVALID, f"unknown frame code {code}")
+
+    def _open(self, frame: list[Any]) -> None:
+        opts = frame[1] if len(frame) == 2 else None
+        if type(opts) is not dict:
+            raise ConnectionError_(P.COMMAND_INVALID, "connection.open must be [0, {options}]")
+        mechanism = opts.get("mechanism", "ANONYMOUS")
+        if mechanism != "ANONYMOUS":
+            raise ConnectionError_(P.NOT_ALLOWED, f"authentication mechanism {mechanism!r} is not supported (ANONYMOUS)")
+        name = opts.get("name", "")
+        heartbeat = opts.get("heartbeat", 0)
+        max_frame = opts.get("max_frame_size", self.max_frame_size)
+        if type(name) is not str or type(heartbeat) not in (int, float) or type(max_frame) is not int:
+            raise ConnectionError_(P.COMMAND_INVALID, "connection.open: name must be a string, heartbeat a number, "
+                                   "max_frame_size an int")
+        if heartbeat < 0 or max_frame < MIN_MAX_FRAME_SIZE:
+            raise ConnectionError_(P.COMMAND_INVALID, f"connection.open: heartbeat must be >= 0 and max_frame_size "
+                                   f">= {MIN_MAX_FRAME_SIZE}")
+        self.name = name
+        self.heartbeat = heartbeat
+        self.max_frame_size = min(max_frame, self.max_frame_size)
+        self.decoder.set_max_frame_size(self.max_frame_size)
+        self.opened = True
+        self.encoder.write([P.OPEN_OK, {"heartbeat": heartbeat, "max_frame_size": self.max_frame_size,
+                                        "broker": "qflow"}])
+        self.wake()
+
+
+class Server:
+    """The broker's listener and its connections."""
+
+    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.broker = broker
+        self.max_frame_size = max_frame_size
+        self.connections: set[Connection] = set()
+        self.started_at = 0.0
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.started_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats)
+            task_status.started(listeners[0].socket.getsockname()[1])
+            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = "%s:%s" % stream.socket.getpeername()[:2]
+        except OSError:
+            peer = "?"
+        conn = Connection(self.broker, stream, self.max_frame_size, peer)
+        self.connections.add(conn)
+        try:
+            stream.socket.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
+        except OSError:
+            pass
+        try:
+            await conn.run()
+        except Exception:
+            log.exception("connection %s failed", peer)
+        finally:
+            self.connections.discard(conn)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await trio.sleep(1)
+            now = trio.current_time()
+            for conn in list(self.connections):
+                if conn.heartbeat and now - getattr(conn, "_last_hb", 0) >= conn.heartbeat:
+                    conn._last_hb = now
+                    conn.encoder.write([P.HEARTBEAT])
+                    conn.wake()

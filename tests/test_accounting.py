@@ -1,0 +1,605 @@
+"""Flow accounting: the manual's rules, holds and completions, errors, and a
+differential test of NativeAccounting against PyAccounting.
+
+Every behavioural test runs on both implementations; the differential test
+then checks they agree on random histories, exceptions included.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qflow.accounting import (
+    COUNT_MAX,
+    OP_DEQUEUE,
+    OP_END,
+    OP_ENQUEUE,
+    OP_TRANSFER,
+    OP_TRANSFER1,
+    OP_WORDS,
+    SIZE_MAX,
+    AccountingError,
+    PyAccounting,
+)
+from qflow._native_accounting import NativeAccounting
+
+INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
+IMPLS = [PyAccounting, NativeAccounting]
+
+
+@pytest.fixture(params=IMPLS, ids=lambda cls: cls.name)
+def acc(request):
+    return request.param()
+
+
+# -- helpers ------------------------------------------------------------------
+def oplog(*ops) -> array:
+    """An op log from ops given as short tuples (padded with zeros)."""
+    words = array("q")
+    for op in ops:
+        words.extend(list(op) + [0] * (OP_WORDS - len(op)))
+    return words
+
+
+def t1(session, command_id, queue, nbytes=0):
+    return (OP_TRANSFER1, session, command_id, queue, nbytes)
+
+
+def deq(queue, nbytes=0, token=-1):
+    return (OP_DEQUEUE, queue, nbytes, token)
+
+
+def fill(acc, queue, n, nbytes=0):
+    """Enqueue n messages outside any transfer (nothing to hold)."""
+    acc.apply(oplog(*[(OP_ENQUEUE, queue, nbytes)] * n))
+
+
+def drain(acc, queue, n, nbytes=0):
+    return acc.apply(oplog(*[deq(queue, nbytes)] * n))
+
+
+def force_depth(acc, queue, count, nbytes):
+    """Jump a queue's depth (the 32-bit count limit is out of reach by enqueuing)."""
+    if isinstance(acc, PyAccounting):
+        q = acc._queues[queue]
+        q.count, q.nbytes = count, nbytes
+    else:
+        acc._force_depth(queue, count, nbytes)
+
+
+def flow(acc, queue) -> bool:
+    return acc.stats(queue)[2]
+
+
+# -- the manual's examples ---------------------------------------------------
+def test_manual_count_example(acc):
+    # max 1000 messages, stop 900, resume 500
+    q = acc.add_queue()
+    assert acc.set_thresholds(q, 900, 500, 0, 0) == ([], [])
+    assert not flow(acc, q)
+    completions, holds, transitions = acc.apply(oplog(*[t1(1, i, q) for i in range(900)]))
+    assert completions == [(1, 0, 899)]
+    assert holds == [] and transitions == []
+    assert acc.stats(q) == (900, 0, False, 0, 0)  # <= 900: still OFF
+
+    completions, holds, transitions = acc.apply(oplog(*[t1(1, i, q) for i in range(900, 1000)]))
+    assert transitions == [(q, True, 901, 0)]  # the 901st turns it ON ...
+    assert completions == []  # ... and it and every later transfer is held
+    assert [h[0] for h in holds] == list(range(100))
+    assert acc.stats(q) == (1000, 0, True, 1, 100)
+
+    # Not-held messages go first: ON down to 500 ...
+    assert drain(acc, q, 500) == ([], [], [])
+    assert acc.stats(q) == (500, 0, True, 1, 100)
+    # ... OFF below 500, releasing every held transfer as one range.
+    assert drain(acc, q, 1) == ([(1, 900, 999)], [], [(q, False, 499, 0)])
+    assert acc.stats(q) == (499, 0, False, 1, 0)
+
+
+def test_manual_combined_example_on_by_count(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 4000, 3000, 8192, 6144)
+    fill(acc, q, 1, 7000)
+    fill(acc, q, 3999)
+    assert not flow(acc, q)
+    _, _, transitions = acc.apply(oplog((OP_ENQUEUE, q, 0)))
+    assert transitions == [(q, True, 4001, 7000)]  # count crossed, bytes did not
+    # The count is far below its resume level, the bytes are not: still ON.
+    assert drain(acc, q, 4000) == ([], [], [])
+    assert acc.stats(q)[:3] == (1, 7000, True)
+    assert drain(acc, q, 1, 7000) == ([], [], [(q, False, 0, 0)])
+
+
+def test_manual_combined_example_on_by_bytes(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 4000, 3000, 8192, 6144)
+    fill(acc, q, 8, 1024)  # exactly 8K: not greater
+    assert acc.stats(q)[:3] == (8, 8192, False)
+    _, _, transitions = acc.apply(oplog((OP_ENQUEUE, q, 1)))
+    assert transitions == [(q, True, 9, 8193)]
+    fill(acc, q, 3000)  # 3009 messages: bytes alone would not turn it OFF
+    drain(acc, q, 3)  # 6 KiB + 1 byte left
+    assert drain(acc, q, 1, 1) == ([], [], [])  # 6144 is not below 6K
+    assert acc.stats(q)[:3] == (3005, 6144, True)
+    drain(acc, q, 1, 1024)  # bytes below, count (3004) not
+    assert flow(acc, q)
+    _, _, transitions = drain(acc, q, 5)
+    assert transitions == [(q, False, 2999, 5120)]
+
+
+def test_zero_thresholds_are_not_in_force(acc):
+    q = acc.add_queue()
+    fill(acc, q, 5000, 1 << 40)  # no thresholds at all: never ON
+    assert acc.stats(q) == (5000, 5000 << 40, False, 0, 0)
+    r = acc.add_queue()
+    acc.set_thresholds(r, 0, 0, 100, 50)  # bytes only
+    fill(acc, r, 10_000)
+    assert not flow(acc, r)
+    fill(acc, r, 1, 101)
+    assert flow(acc, r)
+    drain(acc, r, 9000)  # the count does not matter for resuming
+    assert flow(acc, r)
+    assert drain(acc, r, 1, 101) == ([], [], [(r, False, 1000, 0)])
+
+
+# -- holds and completions ---------------------------------------------------
+def test_the_enqueue_that_turns_flow_on_is_held(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 2, 1, 0, 0)
+    completions, holds, transitions = acc.apply(oplog(t1(7, 0, q, 5), t1(7, 1, q, 5), t1(7, 2, q, 5)))
+    assert completions == [(7, 0, 1)]
+    assert holds == [(2, 0, 7, q)]
+    assert transitions == [(q, True, 3, 15)]
+    assert isinstance(transitions[0][1], bool)
+    assert acc.stats(q) == (3, 15, True, 1, 1)
+
+
+def test_enqueue_outside_a_transfer_is_never_held(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    assert acc.apply(oplog(*[(OP_ENQUEUE, q, 1)] * 3)) == ([], [], [(q, True, 2, 2)])
+    assert acc.stats(q)[4] == 0
+
+
+def test_fanout_completes_only_when_every_queue_releases(acc):
+    a, b = acc.add_queue(), acc.add_queue()
+    for q in (a, b):
+        acc.set_thresholds(q, 1, 1, 0, 0)
+        fill(acc, q, 2)
+    completions, holds, _ = acc.apply(oplog((OP_TRANSFER, 3, 40), (OP_ENQUEUE, a, 1), (OP_ENQUEUE, b, 1), (OP_END,)))
+    assert completions == []
+    assert [(h[0], h[2], h[3]) for h in holds] == [(1, 3, a), (2, 3, b)]
+    assert drain(acc, a, 3) == ([], [], [(a, False, 0, 0)])  # b still holds it
+    completions, _, _ = drain(acc, b, 3)
+    assert completions == [(3, 40, 40)]
+
+
+def test_fanout_to_a_queue_without_flow_control(acc):
+    a, b = acc.add_queue(), acc.add_queue()
+    acc.set_thresholds(a, 1, 1, 0, 0)
+    fill(acc, a, 2)
+    completions, holds, _ = acc.apply(oplog((OP_TRANSFER, 3, 0), (OP_ENQUEUE, b), (OP_ENQUEUE, a), (OP_END,)))
+    assert completions == [] and len(holds) == 1
+    completions, holds, _ = acc.apply(oplog((OP_TRANSFER, 3, 1), (OP_ENQUEUE, b), (OP_END,)))
+    assert completions == [(3, 1, 1)] and holds == []
+
+
+def test_transfer_to_no_queue_completes_at_once(acc):
+    assert acc.apply(oplog((OP_TRANSFER, 1, 5), (OP_END,), (OP_TRANSFER, 1, 6), (OP_END,))) == (
+        [(1, 5, 6)],
+        [],
+        [],
+    )
+
+
+def test_held_message_dequeued_while_on_is_released_alone(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    _, holds, _ = acc.apply(oplog(t1(1, 0, q, 10), t1(1, 1, q, 10)))
+    assert acc.stats(q) == (4, 20, True, 1, 2)
+    token = holds[1][1]
+    assert acc.apply(oplog(deq(q, 10, token))) == ([(1, 1, 1)], [], [])
+    assert acc.stats(q) == (3, 10, True, 1, 1)
+    # The same token again (another message's dequeue): nothing more to release.
+    assert acc.apply(oplog(deq(q, 0, token))) == ([], [], [])
+    assert acc.stats(q)[4] == 1
+
+
+def test_release_all_on_off_in_hold_order_coalesced(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    acc.apply(oplog(t1(1, 5, q), t1(1, 6, q), t1(2, 0, q), t1(1, 7, q), t1(2, 1, q), t1(2, 2, q)))
+    completions, _, transitions = drain(acc, q, 8)
+    assert completions == [(1, 5, 6), (2, 0, 0), (1, 7, 7), (2, 1, 2)]
+    assert transitions == [(q, False, 0, 0)]
+
+
+def test_completions_do_not_coalesce_across_the_int64_edge(acc):
+    log = oplog((OP_TRANSFER, 1, INT64_MAX), (OP_END,), (OP_TRANSFER, 1, INT64_MIN), (OP_END,))
+    assert acc.apply(log)[0] == [(1, INT64_MAX, INT64_MAX), (1, INT64_MIN, INT64_MIN)]
+
+
+def test_tokens_are_generation_and_index(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    _, holds, _ = acc.apply(oplog(t1(1, 0, q), t1(1, 1, q)))
+    assert [h[1] for h in holds] == [0, 1]
+    drain(acc, q, 4)  # OFF: a new generation
+    fill(acc, q, 2)
+    _, holds, _ = acc.apply(oplog(t1(1, 2, q)))
+    assert holds == [(0, 1 << 32, 1, q)]
+
+
+def test_stale_tokens_are_ignored(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    _, old, _ = acc.apply(oplog(t1(1, 0, q)))
+    drain(acc, q, 3)  # released; the generation moves on
+    fill(acc, q, 2)
+    _, new, _ = acc.apply(oplog(t1(1, 1, q)))
+    assert (old[0][1] & 0xFFFFFFFF) == (new[0][1] & 0xFFFFFFFF)  # same index ...
+    assert acc.apply(oplog(deq(q, 0, old[0][1]))) == ([], [], [])  # ... old generation
+    for bogus in (5, (1 << 32) | 7, 1 << 40, INT64_MAX):
+        assert acc.apply(oplog(deq(q, 0, bogus))) == ([], [], [])
+    assert acc.stats(q)[4] == 1
+    assert acc.apply(oplog(deq(q, 0, new[0][1])))[0] == [(1, 1, 1)]
+
+
+def test_remove_queue_releases_its_holds(acc):
+    a, b = acc.add_queue(), acc.add_queue()
+    for q in (a, b):
+        acc.set_thresholds(q, 1, 1, 0, 0)
+        fill(acc, q, 2)
+    acc.apply(oplog(t1(1, 0, a), t1(1, 1, a), (OP_TRANSFER, 1, 2), (OP_ENQUEUE, a), (OP_ENQUEUE, b), (OP_END,)))
+    assert acc.remove_queue(a) == [(1, 0, 1)]  # transfer 2 still waits for b
+    assert acc.remove_queue(b) == [(1, 2, 2)]
+    with pytest.raises(AccountingError, match="unknown queue slot 0"):
+        acc.stats(a)
+    # Freed slots come back last-freed first, as fresh queues.
+    assert acc.add_queue() == b
+    assert acc.add_queue() == a
+    assert acc.add_queue() == 2
+    assert acc.stats(a) == (0, 0, False, 0, 0)
+
+
+def test_set_thresholds_reevaluates(acc):
+    q = acc.add_queue()
+    fill(acc, q, 3, 10)
+    _, transitions = acc.set_thresholds(q, 2, 1, 0, 0)  # lowering below the depth: ON
+    assert transitions == [(q, True, 3, 30)]
+    _, holds, _ = acc.apply(oplog(t1(1, 0, q), t1(1, 1, q)))
+    assert len(holds) == 2
+    assert acc.set_thresholds(q, 4, 1, 0, 0) == ([], [])  # between resume and stop: stays ON
+    completions, transitions = acc.set_thresholds(q, 100, 50, 0, 0)  # raised above the depth
+    assert completions == [(1, 0, 1)]
+    assert transitions == [(q, False, 5, 30)]
+    assert acc.stats(q) == (5, 30, False, 1, 0)
+    acc.set_thresholds(q, 4, 4, 0, 0)
+    assert acc.stats(q)[2:4] == (True, 2)
+    assert acc.set_thresholds(q, 0, 0, 0, 0) == ([], [(q, False, 5, 30)])  # disabled: OFF
+
+
+def test_drop_session(acc):
+    a, b = acc.add_queue(), acc.add_queue()
+    for q in (a, b):
+        acc.set_thresholds(q, 1, 1, 0, 0)
+        fill(acc, q, 2)
+    acc.apply(
+        oplog(
+            t1(1, 0, a), t1(2, 0, a), (OP_TRANSFER, 1, 1), (OP_ENQUEUE, a, 3), (OP_ENQUEUE, b, 4), (OP_END,),
+            t1(2, 1, b),
+        )
+    )
+    assert acc.stats(a) == (5, 3, True, 1, 3)
+    assert acc.stats(b) == (4, 4, True, 1, 2)
+    assert acc.drop_session(1) is None
+    assert acc.stats(a) == (5, 3, True, 1, 1)  # counts untouched, holds gone
+    assert acc.stats(b) == (4, 4, True, 1, 1)
+    completions, _, _ = acc.apply(oplog(*[deq(a)] * 4, deq(a, 3), *[deq(b)] * 3, deq(b, 4)))
+    assert completions == [(2, 0, 1)]  # nothing for session 1
+    acc.drop_session(99)  # unknown sessions are fine
+
+
+def test_any_int_is_a_session(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    acc.apply(oplog(t1(-1, 0, q), t1(INT64_MIN, 0, q), t1(5, 0, q)))
+    acc.drop_session(5)
+    assert drain(acc, q, 5)[0] == [(-1, 0, 0), (INT64_MIN, 0, 0)]
+
+
+# -- errors ------------------------------------------------------------------
+def test_dequeue_underflow(acc):
+    q = acc.add_queue()
+    with pytest.raises(AccountingError, match="op 0: dequeue underflows queue 0"):
+        acc.apply(oplog(deq(q)))
+    fill(acc, q, 1, 10)
+    for bad in (11, -1):
+        with pytest.raises(AccountingError, match="op 0: dequeue underflows"):
+            acc.apply(oplog(deq(q, bad)))
+    assert acc.stats(q) == (1, 10, False, 0, 0)
+
+
+def test_enqueue_overflow(acc):
+    q = acc.add_queue()
+    with pytest.raises(AccountingError, match="op 0: enqueue overflows queue 0"):
+        acc.apply(oplog((OP_ENQUEUE, q, -1)))
+    fill(acc, q, 2, INT64_MAX)
+    fill(acc, q, 1, 1)
+    assert acc.stats(q)[1] == SIZE_MAX
+    with pytest.raises(AccountingError, match="op 1: enqueue overflows queue 0"):
+        acc.apply(oplog((OP_ENQUEUE, q, 0), t1(1, 0, q, 1)))
+    assert acc.stats(q)[:2] == (4, SIZE_MAX)  # op 0 took effect, op 1 did not
+
+
+def test_count_is_32_bits(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, COUNT_MAX - 1, COUNT_MAX - 1, 0, 0)
+    force_depth(acc, q, COUNT_MAX - 1, 0)
+    _, _, transitions = acc.apply(oplog((OP_ENQUEUE, q, 0)))
+    assert transitions == [(q, True, COUNT_MAX, 0)]
+    with pytest.raises(AccountingError, match="op 0: enqueue overflows queue 0"):
+        acc.apply(oplog((OP_ENQUEUE, q, 0)))
+    assert acc.stats(q)[0] == COUNT_MAX
+    assert drain(acc, q, 1) == ([], [], [(q, False, COUNT_MAX - 1, 0)])
+    with pytest.raises(AccountingError, match="bad count thresholds"):
+        acc.set_thresholds(q, COUNT_MAX + 1, 0, 0, 0)
+
+
+def test_unknown_queue(acc):
+    q = acc.add_queue()
+    for op in ((OP_ENQUEUE, 1), deq(-1), t1(0, 0, 1 << 40)):
+        with pytest.raises(AccountingError, match=r"op 1: unknown queue slot"):
+            acc.apply(oplog((OP_ENQUEUE, q), op))
+    acc.remove_queue(q)
+    for call in (
+        lambda: acc.stats(q),
+        lambda: acc.remove_queue(q),
+        lambda: acc.set_thresholds(q, 1, 0, 0, 0),
+        lambda: acc.set_thresholds(q, 0, 1, 0, 0),  # the queue is checked first
+        lambda: acc.stats(1 << 70),
+    ):
+        with pytest.raises(AccountingError, match="^unknown queue slot"):
+            call()
+
+
+def test_bad_thresholds(acc):
+    q = acc.add_queue()
+    for args, what in (
+        ((1, 2, 0, 0), "count"),
+        ((-1, -1, 0, 0), "count"),
+        ((COUNT_MAX + 1, 0, 0, 0), "count"),
+        ((0, 0, 1, 2), "size"),
+        ((0, 0, SIZE_MAX + 1, 0), "size"),
+    ):
+        with pytest.raises(AccountingError, match=f"bad {what} thresholds"):
+            acc.set_thresholds(q, *args)
+    assert acc.set_thresholds(q, COUNT_MAX, 0, SIZE_MAX, SIZE_MAX) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "ops, message",
+    [
+        ([(0,)], "op 0: unknown op code 0"),
+        ([(OP_ENQUEUE, 0), (6,)], "op 1: unknown op code 6"),
+        ([(-7,)], "op 0: unknown op code -7"),
+        ([(OP_END,)], "op 0: end without a transfer"),
+        ([(OP_TRANSFER, 1, 0), (OP_TRANSFER, 1, 1)], "op 1: transfer opened inside a transfer"),
+        ([(OP_TRANSFER, 1, 0), t1(1, 1, 0)], "op 1: transfer opened inside a transfer"),
+        ([(OP_TRANSFER, 1, 0), (OP_ENQUEUE, 0)], "op log ends inside a transfer"),
+    ],
+)
+def test_bad_op_log(acc, ops, message):
+    acc.add_queue()
+    with pytest.raises(AccountingError, match=f"^{re.escape(message)}$"):
+        acc.apply(oplog(*ops))
+
+
+def test_log_length_must_be_whole_ops(acc):
+    q = acc.add_queue()
+    with pytest.raises(AccountingError, match="op log of 6 words is not a multiple of 5"):
+        acc.apply(array("q", [OP_ENQUEUE, q, 0, 0, 0, OP_ENQUEUE]))
+    assert acc.stats(q)[0] == 0  # nothing applied
+
+
+def test_earlier_ops_stay_applied(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    with pytest.raises(AccountingError, match="op 3"):
+        acc.apply(oplog(t1(1, 0, q), t1(1, 1, q), t1(1, 2, q), deq(q, 5)))
+    assert acc.stats(q) == (3, 0, True, 1, 2)
+    assert drain(acc, q, 3)[0] == [(1, 1, 2)]
+
+
+def test_unterminated_transfer_keeps_its_routing_hold(acc):
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    with pytest.raises(AccountingError, match="ends inside a transfer"):
+        acc.apply(oplog((OP_TRANSFER, 1, 9), (OP_ENQUEUE, q)))
+    assert acc.stats(q)[4] == 1
+    assert drain(acc, q, 3)[0] == []  # never closed, never complete
+
+
+def test_empty_log(acc):
+    assert acc.apply(array("q")) == ([], [], [])
+
+
+# -- differential -------------------------------------------------------------
+SESSIONS = [0, 1, 2, -1]
+
+
+def outcome(call):
+    try:
+        return ("ok", call())
+    except AccountingError as e:
+        return ("error", str(e))
+
+
+class Model:
+    """What the test knows about each queue's messages, to generate mostly
+    valid dequeues (message sizes and hold tokens)."""
+
+    def __init__(self):
+        self.queues: dict[int, list[list[int]]] = {}  # slot -> [[nbytes, token], ...]
+        self.next_slot = 0
+        self.next_id = dict.fromkeys(SESSIONS, 0)
+
+
+def draw_queue(data, model):
+    live = sorted(model.queues)
+    if live and data.draw(st.integers(0, 19)):
+        return data.draw(st.sampled_from(live))
+    return data.draw(st.sampled_from([-1, model.next_slot, model.next_slot + 3, 1 << 40]))
+
+
+def draw_log(data, model):
+    """An op log and, per op, what it does to the model: ("enq", queue,
+    message) or ("deq", queue, message)."""
+    work = {q: list(msgs) for q, msgs in model.queues.items()}
+    ops: list[tuple] = []
+    effects: list[tuple | None] = []
+
+    def enqueue(queue):
+        nbytes = data.draw(st.one_of(st.integers(0, 1000), st.just(INT64_MAX), st.just(-1)))
+        msg = [nbytes, -1]
+        if queue in work:
+            work[queue].append(msg)
+        return nbytes, ("enq", queue, msg)
+
+    for _ in range(data.draw(st.integers(0, 12))):
+        kind = data.draw(st.sampled_from(["transfer"] * 4 + ["dequeue"] * 4 + ["plain", "bad"]))
+        if kind == "transfer":
+            session = data.draw(st.sampled_from(SESSIONS))
+            if data.draw(st.integers(0, 9)):
+                command_id = model.next_id[session]
+                model.next_id[session] += 1
+            else:
+                command_id = data.draw(st.sampled_from([INT64_MAX, INT64_MIN, 0]))
+            k = data.draw(st.integers(0, 3))
+            if k == 1 and data.draw(st.booleans()):
+                queue = draw_queue(data, model)
+                nbytes, effect = enqueue(queue)
+                ops.append((OP_TRANSFER1, session, command_id, queue, nbytes))
+                effects.append(effect)
+                continue
+            ops.append((OP_TRANSFER, session, command_id))
+            effects.append(None)
+            for _ in range(k):
+                queue = draw_queue(data, model)
+                nbytes, effect = enqueue(queue)
+                ops.append((OP_ENQUEUE, queue, nbytes))
+                effects.append(effect)
+            if data.draw(st.integers(0, 29)):  # rarely left open
+                ops.append((OP_END,))
+                effects.append(None)
+        elif kind == "plain":
+            queue = draw_queue(data, model)
+            nbytes, effect = enqueue(queue)
+            ops.append((OP_ENQUEUE, queue, nbytes))
+            effects.append(effect)
+        elif kind == "dequeue":
+            nonempty = sorted(q for q, msgs in work.items() if msgs)
+            if nonempty and data.draw(st.integers(0, 9)):
+                queue = data.draw(st.sampled_from(nonempty))
+                msg = work[queue].pop(data.draw(st.integers(0, len(work[queue]) - 1)))
+                nbytes, token = msg
+                token = data.draw(st.sampled_from([token, token, -1, token + 1, token + (1 << 32)]))
+                ops.append((OP_DEQUEUE, queue, nbytes, token))
+                effects.append(("deq", queue, msg))
+            else:
+                queue = draw_queue(data, model)
+                ops.append((OP_DEQUEUE, queue, data.draw(st.integers(-1, 5)), -1))
+                effects.append(None)
+        else:
+            ops.append(data.draw(st.sampled_from([(0,), (9, 1, 2, 3, 4), (OP_END,), (OP_TRANSFER, 0, 0)])))
+            effects.append(None)
+    words = oplog(*ops)
+    if data.draw(st.integers(0, 49)) == 0:
+        words.append(OP_ENQUEUE)  # a torn op
+    return words, effects
+
+
+def apply_effects(model, effects, upto, holds):
+    tokens = {h[0]: h[1] for h in holds}
+    for index, effect in enumerate(effects[:upto]):
+        if effect is None:
+            continue
+        kind, queue, msg = effect
+        msgs = model.queues.get(queue)
+        if msgs is None:
+            continue
+        if kind == "enq":
+            msg[1] = tokens.get(index, -1)
+            msgs.append(msg)
+        elif msg in msgs:
+            msgs.remove(msg)
+
+
+def applied_ops(result, nops):
+    """How many ops of a log took effect, from apply's outcome."""
+    if result[0] == "ok":
+        return nops
+    m = re.match(r"op (\d+):", result[1])
+    if m:
+        return int(m.group(1))
+    return nops if "ends inside a transfer" in result[1] else 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_native_matches_python(data):
+    py, native = PyAccounting(), NativeAccounting()
+    model = Model()
+    both = (py, native)
+    for _ in range(data.draw(st.integers(1, 30))):
+        step = data.draw(st.sampled_from(["add"] * 2 + ["thresholds"] * 3 + ["apply"] * 8 + ["remove", "drop"]))
+        if step == "add" or not model.queues:
+            slots = [a.add_queue() for a in both]
+            assert slots[0] == slots[1]
+            model.queues[slots[0]] = []
+            model.next_slot = max(model.next_slot, slots[0] + 1)
+        elif step == "thresholds":
+            queue = draw_queue(data, model)
+            if data.draw(st.integers(0, 9)):
+                stop_count = data.draw(st.integers(0, 8))
+                resume_count = data.draw(st.integers(0, stop_count))
+                stop_size = data.draw(st.sampled_from([0, 0, 100, 1000, 3000, SIZE_MAX]))
+                resume_size = data.draw(st.integers(0, stop_size))
+            else:
+                stop_count, resume_count, stop_size, resume_size = data.draw(
+                    st.tuples(*[st.sampled_from([-1, 0, 3, COUNT_MAX, COUNT_MAX + 1, SIZE_MAX + 1])] * 4)
+                )
+            args = (queue, stop_count, resume_count, stop_size, resume_size)
+            results = [outcome(lambda a=a: a.set_thresholds(*args)) for a in both]
+            assert results[0] == results[1], args
+        elif step == "apply":
+            words, effects = draw_log(data, model)
+            results = [outcome(lambda a=a: a.apply(words)) for a in both]
+            assert results[0] == results[1], list(words)
+            holds = results[0][1][1] if results[0][0] == "ok" else []
+            apply_effects(model, effects, applied_ops(results[0], len(effects)), holds)
+        elif step == "remove":
+            queue = draw_queue(data, model)
+            results = [outcome(lambda a=a: a.remove_queue(queue)) for a in both]
+            assert results[0] == results[1], queue
+            if results[0][0] == "ok":
+                del model.queues[queue]
+        else:
+            session = data.draw(st.sampled_from(SESSIONS + [1 << 70]))
+            for a in both:
+                a.drop_session(session)
+        for queue in range(-1, model.next_slot + 1):
+            stats = [outcome(lambda a=a: a.stats(queue)) for a in both]
+            assert stats[0] == stats[1], queue
