@@ -8,6 +8,7 @@ turned into the same lists of tuples ``PyAccounting`` returns.
 
 from __future__ import annotations
 
+import struct
 from array import array
 
 from qflow._accounting_native import ffi, lib
@@ -24,8 +25,13 @@ from qflow.accounting import (
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
 
-_unpack = ffi.unpack
 _from_buffer = ffi.from_buffer
+_buffer = ffi.buffer
+# struct builds each record's tuple straight from the C buffer: about twice
+# as fast as ffi.unpack into a flat list and zipping slices of it.
+_iter_completions = struct.Struct("3q").iter_unpack
+_iter_holds = struct.Struct("4q").iter_unpack
+_iter_transitions = struct.Struct("4Q").iter_unpack
 
 
 class NativeAccounting:
@@ -105,24 +111,21 @@ class NativeAccounting:
         n = out.ncompletions
         if not n:
             return []
-        w = _unpack(out.completions, 3 * n)
-        return list(zip(w[0::3], w[1::3], w[2::3]))
+        return list(_iter_completions(_buffer(out.completions, 24 * n)))
 
     def _holds(self) -> list[Hold]:
         out = self._out
         n = out.nholds
         if not n:
             return []
-        w = _unpack(out.holds, 4 * n)
-        return list(zip(w[0::4], w[1::4], w[2::4], w[3::4]))
+        return list(_iter_holds(_buffer(out.holds, 32 * n)))
 
     def _transitions(self) -> list[Transition]:
         out = self._out
         n = out.ntransitions
         if not n:
             return []
-        w = _unpack(out.transitions, 4 * n)
-        return list(zip(w[0::4], map(bool, w[1::4]), w[2::4], w[3::4]))
+        return [(q, bool(on), c, b) for q, on, c, b in _iter_transitions(_buffer(out.transitions, 32 * n))]
 
     def _check(self, rc: int, queue: int | None = None) -> None:
         """Raise the error PyAccounting raises for status ``rc``; ``queue`` is

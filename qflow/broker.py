@@ -12,18 +12,26 @@ per session that has news. See qflow.accounting for the op log.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections.abc import Callable
 from typing import Any
 
 from qflow import protocol as P
 from qflow.accounting import (
-    OP_DEQUEUE, OP_END, OP_ENQUEUE, OP_TRANSFER, OP_TRANSFER1, Accounting, AccountingError, load_accounting,
+    OP_DEQUEUE,
+    OP_END,
+    OP_ENQUEUE,
+    OP_TRANSFER,
+    OP_TRANSFER1,
+    Accounting,
+    AccountingError,
+    load_accounting,
 )
 from qflow.exchange import EXCHANGE_TYPES, Exchange
 from qflow.flow import FlowDefaults, SettingsError, describe_transition, resolve
 from qflow.protocol import CommandError
-from qflow.queue import Consumer, Entry, Message, Queue
+from qflow.queue import E_REDELIVERED, E_SEQ, E_SIZE, E_TOKEN, Consumer, Entry, Queue
 from qflow.ranges import RangeSet
 from qflow.session import IncomingCommands
 
@@ -37,7 +45,7 @@ class BrokerSession:
     (a FrameEncoder) and ``wake()``."""
 
     __slots__ = ("conn", "channel", "name", "slot", "commands", "next_delivery", "unacked", "consumers",
-                 "capacity", "closed")
+                 "capacity", "closed", "held_since", "last_queues")
 
     def __init__(self, conn: Any, channel: int, name: str, slot: int) -> None:
         self.conn = conn
@@ -50,6 +58,8 @@ class BrokerSession:
         self.consumers: dict[str, Consumer] = {}
         self.capacity = 0  # announced by the client's senders
         self.closed = False
+        self.last_queues: Any = None  # the destinations of its last transfer
+        self.held_since: dict[str, float] = {}  # queue name -> wall time it began holding us (management view)
 
 
 class Broker:
@@ -87,9 +97,9 @@ class Broker:
             return
         ssn.closed = True
         self._apply()
-        for _did, (q, e) in sorted(ssn.unacked.items(), key=lambda item: -item[1][1].seq):
+        for _did, (q, e) in sorted(ssn.unacked.items(), key=lambda item: -item[1][1][E_SEQ]):
             if not q.deleted:
-                e.redelivered = True
+                e[E_REDELIVERED] = True
                 q.put_back(e)
                 self._dirty_queues[q] = None
         ssn.unacked.clear()
@@ -116,7 +126,7 @@ class Broker:
                  properties: dict | None, body: bytes) -> None:
         if exchange == "":
             q = self.queues.get(routing_key)
-            queues = (q,) if q is not None else ()
+            queues = q.route if q is not None else ()
         else:
             ex = self.exchanges.get(exchange)
             if ex is None:
@@ -130,59 +140,73 @@ class Broker:
             self._dirty_sessions[ssn] = None
             return
         for q in queues:
-            if q.over_limit(size):
+            if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
                 policy = q.settings.policy
                 if policy == "reject" or (policy == "ring-strict" and q.oldest_is_acquired()):
                     q.discards_overflow += 1
                     raise CommandError(
                         P.RESOURCE_LIMIT_EXCEEDED,
                         f"message.transfer: queue {q.name!r} is full (policy {policy}, depth {q.count} messages, "
-                        f"{q.nbytes} bytes, limits {q.settings.max_count} messages, {q.settings.max_size} bytes)",
+                        f"{q.nbytes} bytes, limits {q.max_count} messages, {q.max_size} bytes)",
                     )
-        message = Message(exchange, routing_key, properties, body)
-        log_ = self._log
-        entries = self._log_entries
+        message = (exchange, routing_key, properties, body)
+        if ssn.last_queues is not queues:
+            self._note_writer(ssn, queues)
         if len(queues) == 1:
             q = queues[0]
-            entries.append(self._enqueue(q, message, size))
-            log_.extend((OP_TRANSFER1, ssn.slot, command_id, q.slot, size))
-            if q.writers.get(ssn) != ssn.capacity:
-                q.writers[ssn] = ssn.capacity
-            if q.settings.is_ring:
+            seq = q.next_seq
+            entry = [message, size, -1, False, seq]
+            q.next_seq = seq + 1
+            q.entries.append(entry)
+            q.count += 1
+            q.nbytes += size
+            if q.consumers:
+                self._dirty_queues[q] = None
+            self._log_entries.append(entry)
+            self._log.extend((OP_TRANSFER1, ssn.slot, command_id, q.slot, size))
+            if q.ring:
                 self._trim_ring(q)
             return
+        log_ = self._log
+        entries = self._log_entries
         log_.extend((OP_TRANSFER, ssn.slot, command_id, 0, 0))
         entries.append(None)
         for q in queues:
             entries.append(self._enqueue(q, message, size))
             log_.extend((OP_ENQUEUE, q.slot, size, 0, 0))
-            if q.writers.get(ssn) != ssn.capacity:
-                q.writers[ssn] = ssn.capacity
         log_.extend((OP_END, 0, 0, 0, 0))
         entries.append(None)
         for q in queues:
-            if q.settings.is_ring:
+            if q.ring:
                 self._trim_ring(q)
 
-    def _enqueue(self, q: Queue, message: Message, size: int) -> Entry:
-        entry = Entry(message, size, q.next_seq)
-        q.next_seq += 1
+    def _note_writer(self, ssn: BrokerSession, queues: Any) -> None:
+        """Remember which queues a session writes to, with its sender capacity
+        (for worstCaseDepth). Checked once per change of destination, not per message."""
+        ssn.last_queues = queues
+        for q in queues:
+            if q.writers.get(ssn) != ssn.capacity:
+                q.writers[ssn] = ssn.capacity
+                self._check_worst_case(q)
+
+    def _enqueue(self, q: Queue, message: tuple, size: int) -> Entry:
+        seq = q.next_seq
+        entry = [message, size, -1, False, seq]
+        q.next_seq = seq + 1
         q.entries.append(entry)
         q.count += 1
         q.nbytes += size
-        q.total_enqueues += 1
-        q.byte_total_enqueues += size
         if q.consumers:
             self._dirty_queues[q] = None
         return entry
 
     def _dequeue(self, q: Queue, entry: Entry) -> None:
-        size = entry.size
+        size = entry[E_SIZE]
         q.count -= 1
         q.nbytes -= size
         q.total_dequeues += 1
         q.byte_total_dequeues += size
-        self._log.extend((OP_DEQUEUE, q.slot, size, entry.token, 0))
+        self._log.extend((OP_DEQUEUE, q.slot, size, entry[E_TOKEN], 0))
         self._log_entries.append(None)
 
     def _trim_ring(self, q: Queue) -> None:
@@ -198,7 +222,7 @@ class Broker:
         consumers = q.consumers
         while entries and consumers:
             n = len(consumers)
-            size = entries[0].size
+            size = entries[0][E_SIZE]
             for _ in range(n):
                 c = consumers[q.next_consumer % n]
                 q.next_consumer += 1
@@ -212,17 +236,17 @@ class Broker:
         ssn = c.session
         did = ssn.next_delivery
         ssn.next_delivery = did + 1
-        m = e.message
+        exchange, routing_key, properties, body = e[0]
         ssn.conn.encoder.write(
-            [P.DELIVER, ssn.channel, c.destination, did, e.redelivered, m.exchange, m.routing_key, m.properties, m.body]
+            (P.DELIVER, ssn.channel, c.destination, did, e[E_REDELIVERED], exchange, routing_key, properties, body)
         )
         if c.credit > 0:
             c.credit -= 1
         if c.byte_credit > 0:
-            c.byte_credit -= e.size
+            c.byte_credit -= e[E_SIZE]
         if c.accept_mode == P.ACCEPT_EXPLICIT:
             ssn.unacked[did] = (q, e)
-            q.acquired[e.seq] = e
+            q.acquired[e[E_SEQ]] = e
         else:
             self._dequeue(q, e)
         self._dirty_sessions[ssn] = None
@@ -240,11 +264,12 @@ class Broker:
             log.exception("accounting refused an op: this is a broker bug")
             return
         for op_index, token, session_slot, queue_slot in holds:
-            entries[op_index].token = token  # type: ignore[union-attr]
+            entries[op_index][E_TOKEN] = token  # type: ignore[index]
             ssn = self.sessions.get(session_slot)
             q = self._queue_by_slot[queue_slot]
             if ssn is not None and ssn not in q.held_sessions:
                 q.held_sessions.add(ssn)
+                ssn.held_since[q.name] = time.time()
                 ssn.conn.encoder.write([P.FLOW_NOTICE, ssn.channel, q.name, True])
                 self._dirty_sessions[ssn] = None
         for queue_slot, flow_on, count, nbytes in transitions:
@@ -264,6 +289,7 @@ class Broker:
 
     def _notify_released(self, q: Queue) -> None:
         for ssn in q.held_sessions:
+            ssn.held_since.pop(q.name, None)
             ssn.conn.encoder.write([P.FLOW_NOTICE, ssn.channel, q.name, False])
             self._dirty_sessions[ssn] = None
         q.held_sessions.clear()
@@ -351,7 +377,7 @@ class Broker:
             q.slot, settings.stop_count, settings.resume_count, settings.stop_size, settings.resume_size
         )
         q.arguments = merged
-        q.settings = settings
+        q.set_settings(settings)
         for _slot, flow_on, count, nbytes in transitions:
             log.info(describe_transition(q.name, settings, flow_on, count, nbytes))
             if not flow_on:
@@ -547,7 +573,7 @@ class Broker:
                 if item is not None:
                     q, e = item
                     if not q.deleted:
-                        del q.acquired[e.seq]
+                        del q.acquired[e[E_SEQ]]
                         self._dequeue(q, e)
 
     def _h_release(self, ssn, cid, transfers):
@@ -557,9 +583,9 @@ class Broker:
             item = unacked.pop(did, None)
             if item is not None:
                 released.append(item)
-        for q, e in sorted(released, key=lambda item: -item[1].seq):
+        for q, e in sorted(released, key=lambda item: -item[1][E_SEQ]):
             if not q.deleted:
-                e.redelivered = True
+                e[E_REDELIVERED] = True
                 q.put_back(e)
                 self._dirty_queues[q] = None
 
@@ -568,6 +594,7 @@ class Broker:
 
     def _h_sync(self, ssn, cid):
         ssn.commands.sync(cid)
+        self._dirty_sessions[ssn] = None  # it may have completed at once: report it at the batch's end
         return _NO_COMPLETE
 
     def _h_sender_capacity(self, ssn, cid, capacity):
@@ -580,11 +607,14 @@ class Broker:
                 self._check_worst_case(q)
 
     def _check_worst_case(self, q: Queue) -> None:
+        """Warn once when the manual's worst case no longer fits the queue."""
         s = q.settings
-        if s.stop_count and s.max_count and self.worst_case(q) > s.max_count:
+        over = bool(s.stop_count and s.max_count and self.worst_case(q) > s.max_count)
+        if over and not q.worst_warned:
             log.warning('queue "%s": worst-case depth %d (stop %d + sender capacities %d) exceeds qpid.max_count %d;'
                         " a transfer can still be rejected despite flow control",
                         q.name, self.worst_case(q), s.stop_count, sum(q.writers.values()), s.max_count)
+        q.worst_warned = over
 
     _handlers: dict[int, Callable[..., Any]] = {
         P.QUEUE_DECLARE: _h_queue_declare, P.QUEUE_DELETE: _h_queue_delete, P.QUEUE_PURGE: _h_queue_purge,

@@ -114,21 +114,37 @@ class Connection:
         self._wake = trio.Event()
         self._closed = trio.Event()
         self._next_channel = 0
-        self._nursery_cm: Any = None
-        self._nursery: trio.Nursery | None = None
+        self._scope: trio.CancelScope | None = None
+        self._tasks_done = trio.Event()
 
     async def _start(self) -> None:
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
+        # The reader and writer live as long as the connection, not as long as
+        # the caller's nursery: a system task owns them, and close() cancels it.
+        self._scope = trio.CancelScope()
+        trio.lowlevel.spawn_system_task(self._background, name=f"qflow connection {self.name!r}")
         self.encoder.write_header()
         self.encoder.write([P.OPEN, {"mechanism": "ANONYMOUS", "name": self.name, "heartbeat": self.heartbeat,
                                      "max_frame_size": self.max_frame_size}])
-        self._nursery.start_soon(self._reader)
-        self._nursery.start_soon(self._writer)
-        if self.heartbeat:
-            self._nursery.start_soon(self._heartbeats)
         self.wake()
-        await self._wait(self._opened)
+        try:
+            await self._wait(self._opened)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _background(self) -> None:
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._reader)
+                    nursery.start_soon(self._writer)
+                    if self.heartbeat:
+                        nursery.start_soon(self._heartbeats)
+        except Exception as exc:  # a system task must not raise: end the connection instead
+            log.exception("qflow client connection failed")
+            self._shutdown(ConnectionClosed(P.INTERNAL_ERROR, f"client error: {exc!r}"))
+        finally:
+            self._tasks_done.set()
 
     async def __aenter__(self) -> Connection:
         return self
@@ -171,17 +187,18 @@ class Connection:
         return ssn
 
     async def close(self) -> None:
-        if self._nursery is None:
+        """Close the connection; incomplete commands fail with ConnectionClosed."""
+        if self._scope is None:
             return
+        scope, self._scope = self._scope, None
         if self.error is None:
             self.encoder.write([P.CLOSE, P.NORMAL, "client closing"])
             self.wake()
             with trio.move_on_after(2):
                 await self._closed.wait()
         self._shutdown(ConnectionClosed(P.NORMAL, "connection closed by the client"))
-        self._nursery.cancel_scope.cancel()
-        cm, self._nursery, self._nursery_cm = self._nursery_cm, None, None
-        await cm.__aexit__(None, None, None)
+        scope.cancel()
+        await self._tasks_done.wait()
         await self.stream.aclose()
 
     def _shutdown(self, error: ConnectionClosed) -> None:

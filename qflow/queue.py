@@ -14,30 +14,16 @@ from typing import Any
 
 from qflow.flow import QueueSettings
 
+# A message is a tuple (exchange, routing_key, properties, body), shared by
+# every queue a transfer reached. An entry, one message on one queue, is a
+# list [message, size, token, redelivered, seq]: the per-message path creates
+# one of each, and a list or tuple costs a fifth of a slotted instance.
+M_EXCHANGE, M_ROUTING_KEY, M_PROPERTIES, M_BODY = range(4)
+E_MESSAGE, E_SIZE, E_TOKEN, E_REDELIVERED, E_SEQ = range(5)
+# E_TOKEN: the accounting's hold token while the transfer is held here, else -1.
 
-class Message:
-    """What a producer sent: shared by every queue the transfer reached."""
-
-    __slots__ = ("exchange", "routing_key", "properties", "body")
-
-    def __init__(self, exchange: str, routing_key: str, properties: dict | None, body: bytes) -> None:
-        self.exchange = exchange
-        self.routing_key = routing_key
-        self.properties = properties
-        self.body = body
-
-
-class Entry:
-    """One message on one queue."""
-
-    __slots__ = ("message", "size", "token", "redelivered", "seq")
-
-    def __init__(self, message: Message, size: int, seq: int) -> None:
-        self.message = message
-        self.size = size
-        self.token = -1  # the accounting's hold token while the transfer is held here
-        self.redelivered = False
-        self.seq = seq
+Message = tuple
+Entry = list
 
 
 class Consumer:
@@ -60,9 +46,9 @@ class Queue:
     __slots__ = (
         "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "slot",
         "entries", "acquired", "consumers", "next_consumer", "count", "nbytes", "next_seq",
-        "total_enqueues", "total_dequeues", "byte_total_enqueues", "byte_total_dequeues",
+        "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
-        "held_sessions", "writers",
+        "held_sessions", "writers", "route", "worst_warned",
     )
 
     def __init__(
@@ -75,6 +61,9 @@ class Queue:
         self.auto_delete = auto_delete
         self.arguments = arguments
         self.settings = settings
+        self.max_count = settings.max_count  # copied from settings for the per-message path
+        self.max_size = settings.max_size
+        self.ring = settings.is_ring
         self.owner = owner
         self.slot = slot  # the accounting's queue slot
         self.entries: deque[Entry] = deque()
@@ -84,9 +73,7 @@ class Queue:
         self.count = 0
         self.nbytes = 0
         self.next_seq = 1
-        self.total_enqueues = 0
         self.total_dequeues = 0
-        self.byte_total_enqueues = 0
         self.byte_total_dequeues = 0
         self.discards_ring = 0
         self.discards_overflow = 0
@@ -95,27 +82,45 @@ class Queue:
         self.deleted = False
         self.held_sessions: set[Any] = set()  # sessions told their transfers are held here
         self.writers: dict[Any, int] = {}  # session -> its announced sender capacity
+        self.route = (self,)  # the default exchange's routing result, made once
+        self.worst_warned = False
+
+    def set_settings(self, settings: QueueSettings) -> None:
+        self.settings = settings
+        self.max_count = settings.max_count
+        self.max_size = settings.max_size
+        self.ring = settings.is_ring
+
+    @property
+    def total_enqueues(self) -> int:
+        return self.next_seq - 1  # every enqueue took one sequence number
+
+    @property
+    def byte_total_enqueues(self) -> int:
+        return self.byte_total_dequeues + self.nbytes
 
     def over_limit(self, size: int) -> bool:
         """Would one more message of ``size`` bytes exceed the queue's limits?"""
-        s = self.settings
-        return (s.max_count > 0 and self.count >= s.max_count) or (s.max_size > 0 and self.nbytes + size > s.max_size)
+        return (self.max_count > 0 and self.count >= self.max_count) or (
+            self.max_size > 0 and self.nbytes + size > self.max_size
+        )
 
     def oldest_is_acquired(self) -> bool:
         if not self.acquired:
             return False
-        return not self.entries or min(self.acquired) < self.entries[0].seq
+        return not self.entries or min(self.acquired) < self.entries[0][E_SEQ]
 
     def put_back(self, entry: Entry) -> None:
         """Return an acquired entry to its place in FIFO order (release, session close)."""
-        del self.acquired[entry.seq]
+        seq = entry[E_SEQ]
+        del self.acquired[seq]
         entries = self.entries
-        if not entries or entries[0].seq > entry.seq:
+        if not entries or entries[0][E_SEQ] > seq:
             entries.appendleft(entry)
             return
         i = 0
         for i, other in enumerate(entries):  # noqa: B007 - rare path: a release behind newer ones
-            if other.seq > entry.seq:
+            if other[E_SEQ] > seq:
                 break
         else:
             i = len(entries)
@@ -141,6 +146,6 @@ class Queue:
             "maxCount": self.settings.max_count,
             "maxSize": self.settings.max_size,
             "policyType": self.settings.policy,
-            "firstSequence": self.entries[0].seq if self.entries else self.next_seq,
+            "firstSequence": self.entries[0][E_SEQ] if self.entries else self.next_seq,
             "lastSequence": self.next_seq - 1,
         }

@@ -71,10 +71,13 @@ class Connection:
                 pass
             finally:
                 self._closing = True
-                self._close_sessions()
-                with trio.move_on_after(1):
-                    await self._send_pending()
+                # The writer may be mid-send: stop it before the last write.
                 nursery.cancel_scope.cancel()
+        self._close_sessions()
+        self.broker.flush()
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            await self._send_pending()
         await self.stream.aclose()
 
     def _close_sessions(self) -> None:

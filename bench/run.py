@@ -1,0 +1,156 @@
+"""qflow benchmarks: ``make bench`` (full) and ``make bench-smoke`` (seconds).
+
+Each workload runs qflowd, one producer and one consumer as three processes
+over loopback, as a user would. Figures drift on these shared 2-core
+machines, so every run also times a fixed pure-Python spin loop before and
+after (``spin_loop_s``): compare runs by ratios, not absolute numbers.
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import trio
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import qflow  # noqa: E402
+
+
+def spin_loop() -> float:
+    """A fixed pure-Python workload: seconds it takes now on this machine."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(3_000_000):
+        x += i & 7
+    return time.perf_counter() - t0
+
+
+def start_broker(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", "--log-level", "warning",
+                             *args], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    line = proc.stdout.readline()
+    if not line.startswith("qflowd ready"):
+        proc.kill()
+        raise SystemExit(f"qflowd did not start: {line!r}")
+    port = int(dict(f.split("=") for f in line.split()[2:])["port"])
+    return proc, port
+
+
+def rss_peak_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# -- the client processes ------------------------------------------------------
+async def _produce(port: int, queue: str, count: int, size: int, capacity: int) -> None:
+    async with await qflow.connect("127.0.0.1", port) as conn:
+        ssn = await conn.session()
+        sender = ssn.sender(queue, capacity=capacity)
+        body = b"x" * size
+        send = sender.send
+        for _ in range(count):
+            await send(body)
+        await sender.sync()
+
+
+async def _consume(port: int, queue: str, count: int, capacity: int) -> None:
+    async with await qflow.connect("127.0.0.1", port) as conn:
+        ssn = await conn.session()
+        receiver = await ssn.receiver(queue, capacity=capacity, accept="auto")
+        fetch = receiver.fetch
+        for _ in range(count):
+            await fetch(timeout=60)
+        await receiver.close()
+        await ssn.sync()
+
+
+def client_main(argv: list[str]) -> None:
+    role, port, queue, count, size, capacity = argv[0], int(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5])
+    if role == "produce":
+        trio.run(_produce, port, queue, count, size, capacity)
+    else:
+        trio.run(_consume, port, queue, count, capacity)
+
+
+def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--client", role, str(port), queue, str(count), str(size),
+                             str(capacity)])
+
+
+async def _declare(port: int, queue: str, arguments: dict) -> None:
+    async with await qflow.connect("127.0.0.1", port) as conn:
+        ssn = await conn.session()
+        await ssn.declare_queue(queue, arguments=arguments)
+
+
+def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None) -> dict:
+    """One producer and one consumer through one queue: msgs/s end to end."""
+    proc, port = start_broker(env=env)
+    try:
+        trio.run(_declare, port, "bench", arguments or {})
+        consumer = _client("consume", port, "bench", count, size)
+        t0 = time.perf_counter()
+        producer = _client("produce", port, "bench", count, size)
+        if producer.wait() or consumer.wait():
+            raise SystemExit("a benchmark client failed")
+        elapsed = time.perf_counter() - t0
+        return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3), "broker_peak_rss": rss_peak_bytes(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: check the benchmarks still run")
+    parser.add_argument("--count", type=int, default=0, help="messages per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    count = args.count or (2000 if args.smoke else 300_000)
+    rounds = 1 if args.smoke else args.rounds
+    spin_before = spin_loop()
+    results: dict[str, list[dict]] = {"64b": [], "1k": [], "64b_flow_idle": []}
+    no_flow = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
+    idle_flow = {"qpid.flow_stop_count": 10_000_000, "qpid.max_size": 0}
+    for _ in range(rounds):  # interleaved: A B C A B C ...
+        results["64b"].append(throughput(count, 64, no_flow))
+        results["64b_flow_idle"].append(throughput(count, 64, idle_flow))
+        results["1k"].append(throughput(count // 2, 1024, no_flow))
+    spin_after = spin_loop()
+    med = {k: statistics.median(r["msgs_per_s"] for r in v) for k, v in results.items()}
+    for name, runs in results.items():
+        print(f"{name:>14}: " + "  ".join(f"{r['msgs_per_s']:>8} msg/s" for r in runs) + f"   median {med[name]:.0f}")
+    out = {
+        "msgs_per_s_64b": med["64b"],
+        "msgs_per_s_1k": med["1k"],
+        "flow_idle_overhead_pct": round(100 * (1 - med["64b_flow_idle"] / med["64b"]), 1),
+        "broker_peak_rss_64b": max(r["broker_peak_rss"] for r in results["64b"]),
+        "count": count,
+        "rounds": rounds,
+        "accounting": os.environ.get("QFLOW_ACCOUNTING", "default"),
+        "spin_loop_s": [round(spin_before, 3), round(spin_after, 3)],
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        client_main(sys.argv[2:])
+    else:
+        main()
