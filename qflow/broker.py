@@ -12,6 +12,7 @@ per session that has news. See qflow.accounting for the op log.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 import time
 from array import array
 from collections.abc import Callable
@@ -160,7 +161,7 @@ class Broker:
             q.entries.append(entry)
             q.count += 1
             q.nbytes += size
-            if q.consumers:
+            if q.consumers or q.browsers:
                 self._dirty_queues[q] = None
             self._log_entries.append(entry)
             self._log.extend((OP_TRANSFER1, ssn.slot, command_id, q.slot, size))
@@ -196,7 +197,7 @@ class Broker:
         q.entries.append(entry)
         q.count += 1
         q.nbytes += size
-        if q.consumers:
+        if q.consumers or q.browsers:
             self._dirty_queues[q] = None
         return entry
 
@@ -218,6 +219,8 @@ class Broker:
 
     # -- delivery -------------------------------------------------------------
     def _dispatch(self, q: Queue) -> None:
+        for c in q.browsers:
+            self._browse(c, q)
         entries = q.entries
         consumers = q.consumers
         while entries and consumers:
@@ -232,13 +235,40 @@ class Broker:
                 return
             self._deliver(c, q, entries.popleft())
 
+    def _browse(self, c: Consumer, q: Queue) -> None:
+        """Deliver copies of the entries from the browser's cursor on, as credit allows."""
+        entries = q.entries
+        if not entries or entries[-1][E_SEQ] < c.cursor or c.credit == 0:
+            return
+        i = bisect_left(entries, c.cursor, key=_seq_of)
+        n = len(entries)
+        ssn = c.session
+        write = ssn.conn.encoder.write
+        while i < n and c.credit != 0:
+            e = entries[i]
+            if c.byte_credit >= 0:
+                if c.byte_credit < e[E_SIZE]:
+                    break
+                c.byte_credit -= e[E_SIZE]
+            if c.credit > 0:
+                c.credit -= 1
+            did = ssn.next_delivery
+            ssn.next_delivery = did + 1
+            exchange, routing_key, properties, body = e[0]
+            write((P.DELIVER, ssn.channel, c.destination, did, e[E_REDELIVERED], exchange, routing_key, properties,
+                   body, e[E_SEQ]))
+            c.cursor = e[E_SEQ] + 1
+            i += 1
+        self._dirty_sessions[ssn] = None
+
     def _deliver(self, c: Consumer, q: Queue, e: Entry) -> None:
         ssn = c.session
         did = ssn.next_delivery
         ssn.next_delivery = did + 1
         exchange, routing_key, properties, body = e[0]
         ssn.conn.encoder.write(
-            (P.DELIVER, ssn.channel, c.destination, did, e[E_REDELIVERED], exchange, routing_key, properties, body)
+            (P.DELIVER, ssn.channel, c.destination, did, e[E_REDELIVERED], exchange, routing_key, properties, body,
+             e[E_SEQ])
         )
         if c.credit > 0:
             c.credit -= 1
@@ -399,9 +429,10 @@ class Broker:
         self._apply()
         for ex in self.exchanges.values():
             ex.unbind_queue(q)
-        for c in list(q.consumers):
+        for c in q.consumers + q.browsers:
             c.session.consumers.pop(c.destination, None)
         q.consumers.clear()
+        q.browsers.clear()
         q.deleted = True
         del self.queues[q.name]
         del self._queue_by_slot[q.slot]
@@ -409,6 +440,19 @@ class Broker:
         self._complete(self.acct.remove_queue(q.slot))
         for callback in self.on_queue_deleted:
             callback(q)
+
+    def remove_through(self, name: str, sequence: int) -> int:
+        """Dequeue every available message with a sequence number up to and
+        including ``sequence`` (a browsing reader's commit). Dequeuing releases
+        held producers exactly as consuming does. Acquired messages stay with
+        their consumers."""
+        q = self._queue("queue.remove-through", name)
+        entries = q.entries
+        n = 0
+        while entries and entries[0][E_SEQ] <= sequence:
+            self._dequeue(q, entries.popleft())
+            n += 1
+        return n
 
     def purge_queue(self, name: str) -> int:
         q = self._queue("queue.purge", name)
@@ -491,6 +535,8 @@ class Broker:
         c.session.consumers.pop(c.destination, None)
         if c in q.consumers:
             q.consumers.remove(c)
+        if c in q.browsers:
+            q.browsers.remove(c)
         if q.auto_delete and q.had_consumer and not q.consumers and not q.deleted:
             self._delete_queue(q)
 
@@ -501,6 +547,9 @@ class Broker:
 
     def _h_queue_delete(self, ssn, cid, queue, if_empty, if_unused):
         return {"messages": self.delete_queue(queue, if_empty, if_unused)}
+
+    def _h_queue_remove_through(self, ssn, cid, queue, sequence):
+        return {"messages": self.remove_through(queue, sequence)}
 
     def _h_queue_purge(self, ssn, cid, queue):
         return {"messages": self.purge_queue(queue)}
@@ -524,21 +573,27 @@ class Broker:
     def _h_unbind(self, ssn, cid, exchange, queue, key):
         self.bind(exchange, queue, key, unbind=True)
 
-    def _h_subscribe(self, ssn, cid, queue, destination, accept_mode, acquire_mode):
+    def _h_subscribe(self, ssn, cid, queue, destination, accept_mode, acquire_mode, start_sequence):
         q = self._queue("message.subscribe", queue)
         if accept_mode not in (P.ACCEPT_EXPLICIT, P.ACCEPT_NONE):
             raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: accept_mode must be 0 or 1, not {accept_mode}")
-        if acquire_mode != P.ACQUIRE_PRE_ACQUIRED:
-            raise CommandError(P.NOT_IMPLEMENTED,
-                               f"message.subscribe: acquire_mode {acquire_mode} (browsing) is not supported yet")
+        if acquire_mode not in (P.ACQUIRE_PRE_ACQUIRED, P.ACQUIRE_NOT_ACQUIRED):
+            raise CommandError(P.INVALID_ARGUMENT,
+                               f"message.subscribe: acquire_mode must be 0 (acquire) or 1 (browse), not {acquire_mode}")
+        if start_sequence < 0:
+            raise CommandError(P.INVALID_ARGUMENT, "message.subscribe: start_sequence must be >= 0")
         if destination in ssn.consumers:
             raise CommandError(P.NOT_ALLOWED, f"message.subscribe: destination {destination!r} is already in use")
         if q.exclusive and q.owner is not ssn:
             raise CommandError(P.RESOURCE_LOCKED, f"message.subscribe: queue {queue!r} is exclusive to another session")
         c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
         ssn.consumers[destination] = c
-        q.consumers.append(c)
-        q.had_consumer = True
+        if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
+            c.cursor = start_sequence
+            q.browsers.append(c)
+        else:
+            q.consumers.append(c)
+            q.had_consumer = True
 
     def _consumer(self, command: str, ssn: BrokerSession, destination: str) -> Consumer:
         c = ssn.consumers.get(destination)
@@ -618,11 +673,15 @@ class Broker:
 
     _handlers: dict[int, Callable[..., Any]] = {
         P.QUEUE_DECLARE: _h_queue_declare, P.QUEUE_DELETE: _h_queue_delete, P.QUEUE_PURGE: _h_queue_purge,
-        P.QUEUE_QUERY: _h_queue_query, P.QUEUE_MODIFY: _h_queue_modify, P.EXCHANGE_DECLARE: _h_exchange_declare,
+        P.QUEUE_QUERY: _h_queue_query, P.QUEUE_REMOVE_THROUGH: _h_queue_remove_through, P.QUEUE_MODIFY: _h_queue_modify, P.EXCHANGE_DECLARE: _h_exchange_declare,
         P.EXCHANGE_DELETE: _h_exchange_delete, P.EXCHANGE_BIND: _h_bind, P.EXCHANGE_UNBIND: _h_unbind,
         P.SUBSCRIBE: _h_subscribe, P.FLOW: _h_flow, P.ACCEPT: _h_accept, P.RELEASE: _h_release,
         P.CANCEL: _h_cancel, P.SYNC: _h_sync, P.SENDER_CAPACITY: _h_sender_capacity,
     }
 
 
-_NO_COMPLETE = object()  # a handler's answer meaning "the command completes later"
+_NO_COMPLETE = object()
+
+
+def _seq_of(entry: Entry) -> int:
+    return entry[E_SEQ]  # a handler's answer meaning "the command completes later"

@@ -367,6 +367,11 @@ class Session:
     async def delete_queue(self, name: str, *, if_empty: bool = False, if_unused: bool = False) -> dict[str, Any]:
         return await self._call(P.QUEUE_DELETE, name, if_empty, if_unused)
 
+    async def remove_through(self, name: str, sequence: int) -> int:
+        """Remove every available message of ``name`` with a sequence number up
+        to and including ``sequence``; returns how many were removed."""
+        return (await self._call(P.QUEUE_REMOVE_THROUGH, name, sequence))["messages"]
+
     async def purge_queue(self, name: str) -> dict[str, Any]:
         return await self._call(P.QUEUE_PURGE, name)
 
@@ -411,10 +416,13 @@ class Session:
 
     async def receiver(self, queue: str, *, capacity: int = 1000, accept: str = "auto",
                        destination: str | None = None, rate: float | None = None,
-                       ack_frequency: int | None = None) -> Receiver:
+                       ack_frequency: int | None = None, browse: bool = False,
+                       start_sequence: int = 0) -> Receiver:
         """Subscribe to ``queue``. ``accept``: ``auto`` (fetched messages are
         accepted in batches), ``explicit`` (call ``accept``), or ``none`` (the
-        broker dequeues on delivery). ``capacity`` is the credit window in messages."""
+        broker dequeues on delivery). ``capacity`` is the credit window in messages.
+        ``browse=True`` reads without removing (as Qpid's browse mode), from the
+        message with sequence number ``start_sequence`` on."""
         if accept not in ("auto", "explicit", "none"):
             raise ValueError("accept must be 'auto', 'explicit' or 'none'")
         if capacity < 1:
@@ -424,9 +432,13 @@ class Session:
             self._next_destination += 1
         receiver = Receiver(self, queue, destination, capacity, accept, rate, ack_frequency)
         self.receivers[destination] = receiver
+        if browse:
+            accept = "none"
         mode = P.ACCEPT_NONE if accept == "none" else P.ACCEPT_EXPLICIT
+        acquire = P.ACQUIRE_NOT_ACQUIRED if browse else P.ACQUIRE_PRE_ACQUIRED
+        receiver.accept_mode = accept
         try:
-            await self._call(P.SUBSCRIBE, queue, destination, mode, P.ACQUIRE_PRE_ACQUIRED)
+            await self._call(P.SUBSCRIBE, queue, destination, mode, acquire, start_sequence)
         except BaseException:
             del self.receivers[destination]
             raise
@@ -537,7 +549,8 @@ class Sender:
 
 
 class ReceivedMessage:
-    __slots__ = ("body", "exchange", "routing_key", "properties", "redelivered", "delivery_id", "_receiver")
+    __slots__ = ("body", "exchange", "routing_key", "properties", "redelivered", "delivery_id", "sequence",
+                 "_receiver")
 
     def __init__(self, receiver: Receiver, frame: list[Any]) -> None:
         self._receiver = receiver
@@ -547,6 +560,7 @@ class ReceivedMessage:
         self.routing_key = frame[6]
         self.properties = frame[7] or {}
         self.body: bytes = frame[8]
+        self.sequence: int = frame[9]  # the message's place in its queue
 
     @property
     def message_id(self) -> str | None:

@@ -27,7 +27,7 @@ COMPLETED = 14  # [14, ch, ranges]: newly completed command ids
 FLUSH = 15  # [15, ch]: ask for an immediate completion report
 RESULT = 16  # [16, ch, command_id, value]
 EXCEPTION = 17  # [17, ch, command_id, code, text]
-DELIVER = 18  # [18, ch, destination, delivery_id, redelivered, exchange, routing_key, props, body]
+DELIVER = 18  # [18, ch, destination, delivery_id, redelivered, exchange, routing_key, props, body, sequence]
 FLOW_NOTICE = 19  # [19, ch, queue, held]: this session's transfers are (no longer) held by QUEUE
 
 # -- commands: each consumes one command id -----------------------------------
@@ -49,6 +49,7 @@ CANCEL = 43
 SYNC = 44
 SENDER_CAPACITY = 45
 QUEUE_MODIFY = 46
+QUEUE_REMOVE_THROUGH = 47
 
 ACCEPT_EXPLICIT = 0
 ACCEPT_NONE = 1
@@ -98,7 +99,7 @@ COMMANDS: dict[int, tuple[str, tuple[tuple[str, str], ...]]] = {
     EXCHANGE_BIND: ("exchange.bind", (("exchange", _S), ("queue", _S), ("binding_key", _S))),
     EXCHANGE_UNBIND: ("exchange.unbind", (("exchange", _S), ("queue", _S), ("binding_key", _S))),
     SUBSCRIBE: ("message.subscribe", (("queue", _S), ("destination", _S), ("accept_mode", _I),
-                                      ("acquire_mode", _I))),
+                                      ("acquire_mode", _I), ("start_sequence", _I))),
     FLOW: ("message.flow", (("destination", _S), ("messages", _I), ("bytes", _I))),
     ACCEPT: ("message.accept", (("transfers", _L),)),
     RELEASE: ("message.release", (("transfers", _L),)),
@@ -106,7 +107,10 @@ COMMANDS: dict[int, tuple[str, tuple[tuple[str, str], ...]]] = {
     SYNC: ("execution.sync", ()),
     SENDER_CAPACITY: ("session.sender-capacity", (("capacity", _I),)),
     QUEUE_MODIFY: ("queue.modify", (("queue", _S), ("arguments", _M))),
+    QUEUE_REMOVE_THROUGH: ("queue.remove-through", (("queue", _S), ("sequence", _I))),
 }
+# Trailing fields a sender may leave out, with their defaults (added in later versions).
+OPTIONAL_FIELDS: dict[int, tuple[Any, ...]] = {SUBSCRIBE: (0,)}
 COMMAND_NAMES = {code: name for code, (name, _) in COMMANDS.items()}
 
 
@@ -153,6 +157,9 @@ def parse_command(frame: list[Any]) -> list[Any]:
         raise CommandError(NOT_IMPLEMENTED, f"unknown command code {code}")
     name, fields = spec
     args = frame[2:]
+    optional = OPTIONAL_FIELDS.get(code)
+    if optional and len(fields) - len(optional) <= len(args) < len(fields):
+        args = args + list(optional[len(args) - len(fields):])
     if len(args) != len(fields):
         raise CommandError(
             INVALID_ARGUMENT, f"{name}: expected {len(fields)} fields ({', '.join(f for f, _ in fields)}), got {len(args)}"

@@ -27,7 +27,7 @@ Entry = list
 
 
 class Consumer:
-    __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit")
+    __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor")
 
     def __init__(self, session: Any, destination: str, queue: Queue, accept_mode: int, acquire_mode: int) -> None:
         self.session = session
@@ -37,6 +37,7 @@ class Consumer:
         self.acquire_mode = acquire_mode
         self.credit = 0  # messages; -1 = unlimited
         self.byte_credit = 0  # bytes; -1 = unlimited
+        self.cursor = 0  # a browser's next sequence number to deliver
 
     def can_take(self, size: int) -> bool:
         return self.credit != 0 and (self.byte_credit < 0 or self.byte_credit >= size)
@@ -48,7 +49,7 @@ class Queue:
         "entries", "acquired", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
-        "held_sessions", "writers", "route", "worst_warned",
+        "held_sessions", "writers", "route", "worst_warned", "browsers",
     )
 
     def __init__(
@@ -68,7 +69,8 @@ class Queue:
         self.slot = slot  # the accounting's queue slot
         self.entries: deque[Entry] = deque()
         self.acquired: dict[int, Entry] = {}  # seq -> entry delivered, not yet accepted
-        self.consumers: list[Consumer] = []
+        self.consumers: list[Consumer] = []  # they acquire: each message goes to one
+        self.browsers: list[Consumer] = []  # they see every message and take none
         self.next_consumer = 0
         self.count = 0
         self.nbytes = 0
@@ -139,7 +141,7 @@ class Queue:
             "msgTotalDequeues": self.total_dequeues,
             "byteTotalEnqueues": self.byte_total_enqueues,
             "byteTotalDequeues": self.byte_total_dequeues,
-            "consumerCount": len(self.consumers),
+            "consumerCount": len(self.consumers) + len(self.browsers),
             "bindingCount": self.binding_count,
             "discardsRing": self.discards_ring,
             "discardsOverflow": self.discards_overflow,
