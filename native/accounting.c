@@ -236,9 +236,104 @@ static void unhold(acct_state *st, int32_t slot, acct_output *out)
     st->free_transfers[st->nfree_transfers++] = slot;
 }
 
+static int cmp_range(const void *a, const void *b)
+{
+    const int64_t *x = a, *y = b;
+    if (x[0] != y[0])
+        return x[0] < y[0] ? -1 : 1;
+    return x[1] < y[1] ? -1 : x[1] > y[1];
+}
+
+/* Re-add one range, coalescing with the previous one like add_completion. */
+static void add_range(acct_output *out, const int64_t *r)
+{
+    if (out->ncompletions) {
+        int64_t *last = out->completions + 3 * (out->ncompletions - 1);
+        if (last[0] == r[0] && last[2] != INT64_MAX && last[2] + 1 == r[1]) {
+            last[2] = r[2];
+            return;
+        }
+    }
+    int64_t *rec = out->completions + 3 * out->ncompletions++;
+    rec[0] = r[0];
+    rec[1] = r[1];
+    rec[2] = r[2];
+}
+
+/* A release interleaves the sessions whose transfers it completes, so its
+ * completions arrive one id at a time. Order the ones from `start` on by
+ * (session, first id) and coalesce them: a few ranges per session instead of
+ * one per transfer. Within a session they are already ascending (enqueue order),
+ * so a stable scatter over the distinct sessions equals a sort; qsort covers
+ * the rare release with more sessions than the scatter tracks. */
+static void group_by_session(acct_output *out, size_t start)
+{
+    enum { MAX_SESSIONS = 64 };
+    size_t n = out->ncompletions - start;
+    if (n < 2)
+        return;
+    int64_t *seg = out->completions + 3 * start;
+    int64_t sessions[MAX_SESSIONS];
+    size_t counts[MAX_SESSIONS];
+    size_t ns = 0;
+    int scatter = 1;
+    for (size_t i = 0; i < n && scatter; i++) {
+        size_t k = 0;
+        while (k < ns && sessions[k] != seg[3 * i])
+            k++;
+        if (k == ns) {
+            if (ns == MAX_SESSIONS) {
+                scatter = 0;
+                break;
+            }
+            /* keep the distinct sessions sorted: the scatter then emits them in sort order */
+            size_t j = ns++;
+            while (j > 0 && sessions[j - 1] > seg[3 * i]) {
+                sessions[j] = sessions[j - 1];
+                counts[j] = counts[j - 1];
+                j--;
+            }
+            sessions[j] = seg[3 * i];
+            counts[j] = 0;
+            k = j;
+        }
+        counts[k]++;
+    }
+    int64_t *scratch = scatter ? malloc(3 * n * sizeof *scratch) : NULL;
+    if (!scratch) {
+        qsort(seg, n, 3 * sizeof *seg, cmp_range);
+        scratch = NULL;
+    } else {
+        size_t offsets[MAX_SESSIONS];
+        size_t off = 0;
+        for (size_t k = 0; k < ns; k++) {
+            offsets[k] = off;
+            off += counts[k];
+        }
+        for (size_t i = 0; i < n; i++) {
+            size_t k = 0;
+            while (sessions[k] != seg[3 * i])
+                k++;
+            memcpy(scratch + 3 * offsets[k]++, seg + 3 * i, 3 * sizeof *seg);
+        }
+        memcpy(seg, scratch, 3 * n * sizeof *seg);
+        free(scratch);
+        /* The broker's ids ascend within a session; anything else gets a real sort. */
+        for (size_t i = 1; i < n; i++)
+            if (seg[3 * i] == seg[3 * i - 3] && seg[3 * i + 1] < seg[3 * i - 2]) {
+                qsort(seg, n, 3 * sizeof *seg, cmp_range);
+                break;
+            }
+    }
+    out->ncompletions = start;
+    for (size_t i = 0; i < n; i++)
+        add_range(out, seg + 3 * i);
+}
+
 /* Room for q->held completions must have been reserved. */
 static void release_all(acct_state *st, struct queue *q, acct_output *out)
 {
+    size_t start = out ? out->ncompletions : 0;
     size_t n = q->npending;
     q->npending = 0;
     q->generation = (q->generation + 1) & GENERATION_MASK;
@@ -246,6 +341,8 @@ static void release_all(acct_state *st, struct queue *q, acct_output *out)
     for (size_t i = 0; i < n; i++)
         if (q->pending[i] >= 0)
             unhold(st, q->pending[i], out);
+    if (out)
+        group_by_session(out, start);
     if (q->cap_pending > PENDING_KEEP) {
         free(q->pending);
         q->pending = NULL;

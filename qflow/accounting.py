@@ -215,6 +215,9 @@ class PyAccounting:
             self._free_transfers.append(slot)
 
     def _release_all(self, q: _Queue, out: list[Completion]) -> None:
+        """Release every held transfer. Its completions are ordered by
+        (session, first id) and coalesced: a release interleaves sessions."""
+        start = len(out)
         pending = q.pending
         q.pending = []
         q.generation = (q.generation + 1) & 0x7FFFFFFF
@@ -222,6 +225,11 @@ class PyAccounting:
         for slot in pending:
             if slot >= 0:
                 self._unhold(slot, out)
+        if len(out) - start > 1:
+            released = sorted(out[start:])
+            del out[start:]
+            for session, first, last in released:
+                _add_range(out, session, first, last)
 
     def drop_session(self, session: int) -> None:
         for q in self._queues:
@@ -313,6 +321,15 @@ class PyAccounting:
         if opened:
             raise AccountingError("op log ends inside a transfer")
         return completions, holds, transitions
+
+
+def _add_range(out: list[Completion], session: int, first: int, last: int) -> None:
+    if out:
+        s, f, prev_last = out[-1]
+        if s == session and prev_last + 1 == first:
+            out[-1] = (s, f, last)
+            return
+    out.append((session, first, last))
 
 
 def _add_completion(out: list[Completion], session: int, command_id: int) -> None:

@@ -29,6 +29,8 @@ from qflow.session import OutgoingCommands
 
 log = logging.getLogger("qflow.client")
 
+YIELD_EVERY = 256  # sends between checkpoints: big enough for 64 KiB-ish writes
+
 
 class QflowError(Exception):
     """An error reported by the broker, with its AMQP-style code and text."""
@@ -284,7 +286,6 @@ class Session:
         self.held_by: dict[str, float] = {}  # queue -> trio time its flow notice arrived
         self.error: ConnectionClosed | None = None
         self._attached = trio.Event()
-        self._all_done = trio.Event()
         self._next_destination = 0
 
     # -- frames from the connection ------------------------------------------
@@ -296,8 +297,6 @@ class Session:
                 owner.event.set()
             else:
                 owner._complete_one()
-        if not self.commands.incomplete:
-            self._all_done.set()
 
     def _result(self, cid: int, value: Any) -> None:
         owner = self.commands.incomplete.get(cid)
@@ -327,7 +326,6 @@ class Session:
 
     def _shutdown(self, error: ConnectionClosed) -> None:
         self.error = error
-        self._all_done.set()
         for owner in list(self.commands.incomplete.values()):
             if type(owner) is _Waiter:
                 owner.error = owner.error or error
@@ -345,7 +343,6 @@ class Session:
     def _send_command(self, code: int, *fields: Any, owner: Any = None) -> int:
         self.check()
         cid = self.commands.send(owner)
-        self._all_done = trio.Event() if self._all_done.is_set() else self._all_done
         self.conn.encoder.write([code, self.channel, *fields])
         self.conn.wake()
         return cid
@@ -462,6 +459,7 @@ class Sender:
         self._interval = 1.0 / rate if rate else 0.0
         self._next_send = 0.0
         self._space = trio.Event()
+        self._unyielded = 0
 
     def _complete_one(self) -> None:
         self.incomplete -= 1
@@ -489,8 +487,8 @@ class Sender:
             self._next_send = max(self._next_send + self._interval, now)
             if self._next_send > now:
                 await trio.sleep_until(self._next_send)
-        if type(body) is str:
-            body = body.encode()
+        if type(body) is not bytes:
+            body = body.encode() if type(body) is str else bytes(body)
         props = None
         if message_id is not None or correlation_id is not None or content_type is not None or durable or headers:
             props = {}
@@ -504,11 +502,24 @@ class Sender:
                 props["durable"] = True
             if headers:
                 props["headers"] = headers
-        self.session._send_command(P.TRANSFER, self.exchange, self.routing_key if routing_key is None else routing_key,
-                                   props, body, owner=self)
+        # The per-message path: Session._send_command inlined.
+        ssn = self.session
+        commands = ssn.commands
+        cid = commands.next_id
+        commands.next_id = cid + 1
+        commands.incomplete[cid] = self
+        conn = ssn.conn
+        conn.encoder.write((P.TRANSFER, ssn.channel, self.exchange,
+                            self.routing_key if routing_key is None else routing_key, props, body))
+        conn._wake.set()
         self.incomplete += 1
         if self.incomplete > self.max_incomplete:
             self.max_incomplete = self.incomplete
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
+            # Let the writer send this batch while we pack the next one.
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
 
     async def _wait_for_space(self) -> None:
         started = trio.current_time()
@@ -644,6 +655,7 @@ class Receiver:
         if self._fetched >= max(1, self.capacity // 2):
             self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
             self._fetched = 0
+            await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
         return msg
 
     def _flush_acks(self) -> None:

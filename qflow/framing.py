@@ -35,16 +35,30 @@ class FrameDecoder:
     """Feed bytes with :meth:`feed`, iterate frames with :meth:`frames`.
 
     Every frame is a list whose first item is an int frame code. Anything else
-    raises :class:`FramingError`.
+    raises :class:`FramingError`. A frame larger than ``max_frame_size`` raises
+    :class:`FrameTooLarge`, whether it arrives in one feed or in many: the bytes
+    of the frame being decoded are counted, so the memory held for one frame is
+    bounded by the limit. An incomplete frame that cannot fit whatever follows
+    (a bin/str header claiming gigabytes) is refused as soon as its header is in.
     """
 
-    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header")
+    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header",
+                 "_chunks", "_chunks_start", "_fed", "_frame_start", "_probed")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
         self.max_frame_size = max_frame_size
         self._expect_header = expect_header
         self._header = b""
         self._unpacker = self._new_unpacker(max_frame_size)
+        self._reset_offsets()
+
+    def _reset_offsets(self) -> None:
+        # Offsets are in the current unpacker's stream (its tell()).
+        self._chunks: list[bytes] = []  # fed chunks holding the bytes from _frame_start on
+        self._chunks_start = 0  # offset of _chunks[0]
+        self._fed = 0  # bytes fed to the unpacker
+        self._frame_start = 0  # where the frame being decoded starts
+        self._probed = -1  # stop offset last checked by _cannot_fit
 
     @staticmethod
     def _new_unpacker(max_frame_size: int) -> msgpack.Unpacker:
@@ -62,13 +76,18 @@ class FrameDecoder:
         )
 
     def set_max_frame_size(self, max_frame_size: int) -> None:
-        """Apply a newly negotiated limit (between frames only)."""
+        """Apply a newly negotiated limit (between frames only).
+
+        Bytes already fed and not yet decoded are kept, including the start of
+        a frame not yet complete, and a :meth:`frames` iteration in progress
+        goes on with them.
+        """
         if max_frame_size == self.max_frame_size:
             return
         self.max_frame_size = max_frame_size
-        old = self._unpacker
+        rest = self._pending()
         self._unpacker = self._new_unpacker(max_frame_size)
-        rest = old.read_bytes(max_frame_size + 2 * READ_SIZE)
+        self._reset_offsets()
         if rest:
             self.feed(rest)
 
@@ -86,58 +105,153 @@ class FrameDecoder:
             self._expect_header = False
             if not data:
                 return
+        if not data:
+            return
+        if type(data) is not bytes:
+            data = bytes(data)
+        chunks = self._chunks
+        while chunks and self._chunks_start + len(chunks[0]) <= self._frame_start:
+            self._chunks_start += len(chunks.pop(0))
+        chunks.append(data)
+        self._fed += len(data)
         try:
             self._unpacker.feed(data)
         except msgpack.BufferFull:
             raise FrameTooLarge(f"frame larger than the maximum frame size {self.max_frame_size}") from None
 
     def frames(self) -> Iterator[list[Any]]:
-        unpacker = self._unpacker
         while True:
+            unpacker = self._unpacker  # set_max_frame_size may replace it between frames
+            limit = self.max_frame_size
+            tell = unpacker.tell
+            start = self._frame_start
             try:
-                frame = unpacker.unpack()
-            except msgpack.OutOfData:
-                return
+                for frame in unpacker:  # C-level iteration: the per-message path
+                    end = tell()
+                    if end - start > limit:
+                        raise FrameTooLarge(f"frame of {end - start} bytes exceeds the maximum frame size {limit}")
+                    start = self._frame_start = end
+                    if type(frame) is not list or not frame or type(frame[0]) is not int:
+                        raise FramingError(f"frame is not an array starting with a frame code: {_short(frame)}")
+                    yield frame
+                    if self._unpacker is not unpacker:
+                        break
+                else:
+                    self._check_incomplete()
+                    return
+            except FramingError:
+                raise
             except ValueError as exc:  # limits exceeded, or malformed data
                 if "exceeds max" in str(exc):
-                    raise FrameTooLarge(f"frame exceeds the maximum frame size {self.max_frame_size}: {exc}") from None
+                    raise FrameTooLarge(f"frame exceeds the maximum frame size {limit}: {exc}") from None
                 raise FramingError(f"malformed frame: {exc}") from None
             except Exception as exc:  # FormatError, StackError, UnicodeDecodeError...
                 raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
-            if type(frame) is not list or not frame or type(frame[0]) is not int:
-                raise FramingError(f"frame is not an array starting with a frame code: {_short(frame)}")
-            yield frame
+
+    def _check_incomplete(self) -> None:
+        """Refuse the incomplete frame if it is already, or must become, too large."""
+        size = self._fed - self._frame_start
+        if size > self.max_frame_size:
+            raise FrameTooLarge(f"incomplete frame of {size} bytes exceeds the maximum frame size {self.max_frame_size}")
+        stop = self._unpacker.tell()  # where the unpacker waits for more: after a bin/str/ext header if any
+        if size and stop != self._probed:
+            self._probed = stop
+            if self._may_claim_too_much(stop) and self._cannot_fit():
+                raise FrameTooLarge(f"incomplete frame declares more than the maximum frame size {self.max_frame_size}")
+
+    def _may_claim_too_much(self, stop: int) -> bool:
+        """Cheap filter: do the bytes just before ``stop`` look like a bin/str/ext
+        header whose length takes the frame past the limit? (They may be data
+        that only looks so; :meth:`_cannot_fit` decides.)"""
+        start = max(stop - 5, self._frame_start)
+        window = self._bytes(start, min(stop + 4, self._fed))
+        for i in range(min(stop - start, len(window))):
+            width = _LONG_RAW_HEADERS.get(window[i])
+            if width:
+                length = int.from_bytes(window[i + 1:i + 1 + width].ljust(width, b"\0"), "big")
+                if start + i + 1 + width + length - self._frame_start > self.max_frame_size:
+                    return True
+        return False
+
+    def _cannot_fit(self) -> bool:
+        """True if the incomplete frame exceeds the limit whatever bytes follow.
+
+        Zero bytes are the shortest continuation of any msgpack prefix (a zero
+        completes a pending element, and makes a pending length smallest), so
+        the frame fits iff it completes within the limit when padded with them.
+        """
+        probe = self._new_unpacker(self.max_frame_size)
+        data = self._pending()
+        probe.feed(data)
+        room = self.max_frame_size - len(data)
+        while True:
+            try:
+                probe.unpack()
+                return False
+            except msgpack.OutOfData:
+                if room <= 0:
+                    return True
+                n = min(room, len(_ZEROS))
+                probe.feed(_ZEROS[:n])
+                room -= n
+            except ValueError as exc:
+                return "exceeds max" in str(exc)
+            except Exception:  # malformed: frames() reports it once the bytes are in
+                return False
+
+    def _bytes(self, start: int, end: int) -> bytes:
+        """The fed bytes at offsets [start, end), start >= _frame_start."""
+        out = []
+        pos = self._chunks_start
+        for chunk in self._chunks:
+            nxt = pos + len(chunk)
+            if nxt > start and pos < end:
+                out.append(chunk[max(start - pos, 0): end - pos])
+            pos = nxt
+        return b"".join(out)
+
+    def _pending(self) -> bytes:
+        """Every byte fed since the end of the last complete frame."""
+        return self._bytes(self._frame_start, self._fed)
 
     @property
     def header_done(self) -> bool:
         return not self._expect_header
 
 
+# Type bytes of bin, str and ext headers with 16- and 32-bit lengths, to the
+# width of their length field; shorter ones cannot exceed MIN_MAX_FRAME_SIZE.
+_LONG_RAW_HEADERS = {0xC5: 2, 0xDA: 2, 0xC8: 2, 0xC6: 4, 0xDB: 4, 0xC9: 4}
+_ZEROS = memoryview(bytes(64 * 1024))
+
+
 class FrameEncoder:
     """Packs frames into one growing buffer; :meth:`take` hands the batch out.
 
-    One reused Packer and one buffer per connection: writes are batched.
+    One Packer per connection accumulates every frame in its own buffer
+    (``autoreset=False``), so a frame is packed once and copied once, at take.
     """
 
-    __slots__ = ("_packer", "buffer")
+    __slots__ = ("_packer", "write", "_prefix")
 
     def __init__(self) -> None:
-        self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
-        self.buffer = bytearray()
-
-    def write(self, frame: list[Any] | tuple[Any, ...]) -> None:
-        self.buffer += self._packer.pack(frame)
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+        self.write = self._packer.pack  # write(frame): the per-message path calls it directly
+        self._prefix = b""  # raw bytes (the protocol header) that go before the packed frames
 
     def write_header(self) -> None:
-        self.buffer += PROTOCOL_HEADER
+        self._prefix = self.take() + PROTOCOL_HEADER
 
     def take(self) -> bytes:
-        data = bytes(self.buffer)
-        self.buffer.clear()
+        packer = self._packer
+        data = packer.bytes()
+        packer.reset()
+        if self._prefix:
+            data, self._prefix = self._prefix + data, b""
         return data
 
     def __len__(self) -> int:
-        return len(self.buffer)
+        return len(self._prefix) + len(self._packer.getbuffer())
 
 
 def _short(obj: Any) -> str:
