@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 5672
 
-.PHONY: run test test-python test-native install lint bench bench-smoke clean
+.PHONY: run test test-python test-native install lint bench bench-smoke bench-compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,10 @@ run: $(STAMP)
 	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT)
 
 # The whole suite, once per accounting implementation.
+# The benchmarks' smoke run first (so they never rot), then the whole suite once
+# per accounting implementation; pytest's summary is the last line.
 test: $(STAMP)
+	$(PY) bench/run.py --smoke
 	QFLOW_ACCOUNTING=native $(PY) -m pytest
 	QFLOW_ACCOUNTING=python $(PY) -m pytest -m "not native_only"
 
@@ -37,6 +40,13 @@ bench: $(STAMP)
 
 bench-smoke: $(STAMP)
 	$(PY) bench/run.py --smoke
+
+# Side by side with RabbitMQ (bench/README.md). Installs Debian's rabbitmq-server with apt-get if missing
+# (root). The AMQP client libraries go into the venv for the benchmark only: they are not qflow dependencies.
+# Options: make bench-compare COMPARE_ARGS=--quick
+bench-compare: $(STAMP)
+	$(PY) -m pip install --quiet 'pika>=1.3' 'aio-pika>=9' 'amqp>=5.2'
+	$(PY) bench/compare.py $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so

@@ -69,10 +69,10 @@ async def _produce(port: int, queue: str, count: int, size: int, capacity: int) 
         await sender.sync()
 
 
-async def _consume(port: int, queue: str, count: int, capacity: int) -> None:
+async def _consume(port: int, queue: str, count: int, capacity: int, rate: float | None = None) -> None:
     async with await qflow.connect("127.0.0.1", port) as conn:
         ssn = await conn.session()
-        receiver = await ssn.receiver(queue, capacity=capacity, accept="auto")
+        receiver = await ssn.receiver(queue, capacity=capacity, accept="auto", rate=rate)
         fetch = receiver.fetch
         for _ in range(count):
             await fetch(timeout=60)
@@ -82,15 +82,22 @@ async def _consume(port: int, queue: str, count: int, capacity: int) -> None:
 
 def client_main(argv: list[str]) -> None:
     role, port, queue, count, size, capacity = argv[0], int(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5])
+    rate = float(argv[6]) or None
     if role == "produce":
         trio.run(_produce, port, queue, count, size, capacity)
     else:
-        trio.run(_consume, port, queue, count, capacity)
+        trio.run(_consume, port, queue, count, capacity, rate)
 
 
-def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000) -> subprocess.Popen:
+def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000,
+            rate: float = 0) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--client", role, str(port), queue, str(count), str(size),
-                             str(capacity)])
+                             str(capacity), str(rate)])
+
+
+async def _query(port: int, queue: str) -> dict:
+    async with await qflow.connect("127.0.0.1", port) as conn:
+        return await (await conn.session()).query_queue(queue)
 
 
 async def _declare(port: int, queue: str, arguments: dict) -> None:
@@ -99,18 +106,45 @@ async def _declare(port: int, queue: str, arguments: dict) -> None:
         await ssn.declare_queue(queue, arguments=arguments)
 
 
-def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None) -> dict:
+def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
+               consumer_rate: float = 0) -> dict:
     """One producer and one consumer through one queue: msgs/s end to end."""
     proc, port = start_broker(env=env)
     try:
         trio.run(_declare, port, "bench", arguments or {})
-        consumer = _client("consume", port, "bench", count, size)
+        consumer = _client("consume", port, "bench", count, size, rate=consumer_rate)
         t0 = time.perf_counter()
         producer = _client("produce", port, "bench", count, size)
         if producer.wait() or consumer.wait():
             raise SystemExit("a benchmark client failed")
         elapsed = time.perf_counter() - t0
-        return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3), "broker_peak_rss": rss_peak_bytes(proc.pid)}
+        stats = trio.run(_query, port, "bench")
+        return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3),
+                "broker_peak_rss": rss_peak_bytes(proc.pid), "flow_stopped_count": stats["flowStoppedCount"]}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def rss_now(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def queued_memory(count: int) -> dict:
+    """Broker RSS per queued 64-byte message, with ``count`` messages queued."""
+    proc, port = start_broker()
+    try:
+        trio.run(_declare, port, "held", {"qpid.max_size": 0, "qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0})
+        before = rss_now(proc.pid)
+        if _client("produce", port, "held", count, 64).wait():
+            raise SystemExit("the producer failed")
+        after = rss_now(proc.pid)
+        return {"rss_bytes_per_queued_msg": round((after - before) / count, 1), "queued": count,
+                "broker_rss_bytes": after}
     finally:
         proc.terminate()
         proc.wait()
@@ -119,31 +153,54 @@ def throughput(count: int, size: int, arguments: dict | None = None, env: dict |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="a few seconds: check the benchmarks still run")
-    parser.add_argument("--count", type=int, default=0, help="messages per run")
+    parser.add_argument("--count", type=int, default=0, help="messages per throughput run")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     count = args.count or (2000 if args.smoke else 300_000)
     rounds = 1 if args.smoke else args.rounds
     spin_before = spin_loop()
-    results: dict[str, list[dict]] = {"64b": [], "1k": [], "64b_flow_idle": []}
     no_flow = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
-    idle_flow = {"qpid.flow_stop_count": 10_000_000, "qpid.max_size": 0}
-    for _ in range(rounds):  # interleaved: A B C A B C ...
-        results["64b"].append(throughput(count, 64, no_flow))
-        results["64b_flow_idle"].append(throughput(count, 64, idle_flow))
-        results["1k"].append(throughput(count // 2, 1024, no_flow))
-    spin_after = spin_loop()
+    idle_flow = {"qpid.flow_stop_count": 100_000_000, "qpid.max_size": 0}
+    cycling = {"qpid.flow_stop_count": 2000, "qpid.flow_resume_count": 1000, "qpid.max_size": 0}
+    workloads = {
+        "64b": lambda: throughput(count, 64, no_flow),
+        "64b_flow_idle": lambda: throughput(count, 64, idle_flow),
+        "64b_python_accounting": lambda: throughput(count, 64, no_flow, env={"QFLOW_ACCOUNTING": "python"}),
+        "1k": lambda: throughput(count // 2, 1024, no_flow),
+        # a consumer held to 20k msgs/s: the queue cycles between its thresholds
+        "64b_flow_cycling": lambda: throughput(count // 3, 64, cycling, consumer_rate=20_000),
+    }
+    results: dict[str, list[dict]] = {name: [] for name in workloads}
+    for _ in range(rounds):  # interleaved: A B C ... A B C ...
+        for name, run in workloads.items():
+            results[name].append(run())
     med = {k: statistics.median(r["msgs_per_s"] for r in v) for k, v in results.items()}
     for name, runs in results.items():
-        print(f"{name:>14}: " + "  ".join(f"{r['msgs_per_s']:>8} msg/s" for r in runs) + f"   median {med[name]:.0f}")
+        print(f"{name:>22}: " + "  ".join(f"{r['msgs_per_s']:>8} msg/s" for r in runs) + f"   median {med[name]:.0f}")
+    print(f"{'flow cycles':>22}: {[r['flow_stopped_count'] for r in results['64b_flow_cycling']]}")
+    sys.path.insert(0, HERE)
+    from release import measure  # noqa: E402 - bench/ is not a package
+
+    release = measure(rounds=5 if args.smoke else 30, held=1000 if args.smoke else 10_000)
+    print(f"{'release of held':>22}: {release}")
+    memory = queued_memory(20_000 if args.smoke else 1_000_000)
+    print(f"{'queued memory':>22}: {memory}")
+    spin_after = spin_loop()
+    release_kind = "native" if "native" in release else "python"
     out = {
         "msgs_per_s_64b": med["64b"],
         "msgs_per_s_1k": med["1k"],
         "flow_idle_overhead_pct": round(100 * (1 - med["64b_flow_idle"] / med["64b"]), 1),
+        "native_over_python_accounting": round(med["64b"] / med["64b_python_accounting"], 3),
+        "msgs_per_s_64b_flow_cycling": med["64b_flow_cycling"],
+        "flow_cycles": max(r["flow_stopped_count"] for r in results["64b_flow_cycling"]),
+        "release_median_ms": release[release_kind]["median_ms"],
+        "release_p99_ms": release[release_kind]["p99_ms"],
+        "release_python_p99_ms": release["python"]["p99_ms"],
+        "rss_bytes_per_queued_msg": memory["rss_bytes_per_queued_msg"],
         "broker_peak_rss_64b": max(r["broker_peak_rss"] for r in results["64b"]),
         "count": count,
         "rounds": rounds,
-        "accounting": os.environ.get("QFLOW_ACCOUNTING", "default"),
         "spin_loop_s": [round(spin_before, 3), round(spin_after, 3)],
     }
     print(json.dumps(out))

@@ -1,9 +1,11 @@
 """qflowd: the qflow broker.
 
-    qflowd --host 127.0.0.1 --port 5672
+    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672
 
-Prints ``qflowd ready port=P mgmt-port=M`` once listening. SIGINT/SIGTERM
-stop it cleanly (exit 0); a bad option exits 2 with a one-line message.
+Prints ``qflowd ready port=P mgmt-port=M`` once both the protocol port and
+the management HTTP port (qflow.management) listen. SIGINT/SIGTERM stop it
+cleanly (exit 0); a bad option exits 2 with a one-line message; a port that
+cannot be bound exits 1 with a one-line message.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import gc
 import logging
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -20,6 +23,9 @@ from qflow.accounting import load_accounting
 from qflow.broker import Broker
 from qflow.flow import FlowDefaults, SettingsError
 from qflow.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
+from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
+from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
+from qflow.management import ManagementApi, ManagementServer
 from qflow.server import Server
 
 
@@ -33,6 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(prog="qflowd", description="The qflow message broker.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=5672, help="protocol port; 0 picks a free one (default 5672)")
+    p.add_argument("--mgmt-port", type=int, default=None, metavar="PORT",
+                   help=f"management HTTP port; 0 picks a free one (default {DEFAULT_MGMT_PORT}, "
+                        "or a free one when --port is 0)")
+    p.add_argument("--mgmt-timeout", type=float, default=DEFAULT_MGMT_TIMEOUT, metavar="SECS",
+                   help="seconds a management request may take to arrive, and an idle management "
+                        f"connection may stay open (default {DEFAULT_MGMT_TIMEOUT:g})")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -45,6 +57,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be 0..65535, not {args.port}")
+    if args.mgmt_port is None:
+        # An ephemeral broker (tests, side-by-side runs) must not collide on the fixed default.
+        args.mgmt_port = 0 if args.port == 0 else DEFAULT_MGMT_PORT
+    if not 0 <= args.mgmt_port <= 65535:
+        p.error(f"--mgmt-port must be 0..65535, not {args.mgmt_port}")
+    if not 0 < args.mgmt_timeout < 86400:
+        p.error(f"--mgmt-timeout must be more than 0 seconds and less than a day, not {args.mgmt_timeout:g}")
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     try:
@@ -55,6 +74,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class ListenError(Exception):
+    """A listener could not be opened; main() turns it into one line and exit 1."""
+
+    def __init__(self, what: str, host: str, port: int, exc: OSError) -> None:
+        super().__init__(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}")
+
+
+async def _start(nursery: trio.Nursery, what: str, serve: Callable[..., Awaitable[None]], host: str,
+                 port: int) -> int:
+    try:
+        return await nursery.start(serve, host, port)
+    except OSError as exc:
+        raise ListenError(what, host, port, exc) from None
+
+
 async def run(args: argparse.Namespace) -> None:
     accounting = load_accounting()
     logging.getLogger("qflow").info("accounting: %s", accounting.name)
@@ -62,11 +96,17 @@ async def run(args: argparse.Namespace) -> None:
     server = Server(broker, args.max_frame_size)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(server.serve, args.host, args.port)
+            port = await _start(nursery, "protocol", server.serve, args.host, args.port)
+            options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
+                       "mgmtTimeout": args.mgmt_timeout}
+            api = ManagementApi(broker, server, options)
+            mgmt = ManagementServer(api, timeout=args.mgmt_timeout)
+            mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
+            api.options["mgmtPort"] = mgmt_port
             # Long-lived start-up objects need no more cyclic-GC scans.
             gc.collect()
             gc.freeze()
-            print(f"qflowd ready port={port} mgmt-port=0", flush=True)
+            print(f"qflowd ready port={port} mgmt-port={mgmt_port}", flush=True)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break
@@ -76,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failed: BaseException | None = None
     try:
         trio.run(run, args)
-    except OSError as exc:
-        sys.stderr.write(f"qflowd: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}\n")
+    except* ListenError as group:  # trio wraps what the nursery raised
+        failed = group
+        while isinstance(failed, BaseExceptionGroup):
+            failed = failed.exceptions[0]
+    if failed is not None:
+        sys.stderr.write(f"qflowd: {failed}\n")
         return 1
     return 0
 

@@ -3,8 +3,21 @@
 from qflow.accounting import AccountingError, PyAccounting, load_accounting
 from qflow.broker import Broker
 from qflow.client import (
-    ConnectionClosed, Empty, FlowControlTimeout, InvalidArgument, NotAllowed, NotFound, PreconditionFailed,
-    QflowError, ReceivedMessage, Receiver, ResourceLimitExceeded, ResourceLocked, Sender, Session, connect,
+    ConnectionClosed,
+    Empty,
+    FlowControlTimeout,
+    InvalidArgument,
+    NotAllowed,
+    NotFound,
+    PreconditionFailed,
+    QflowError,
+    ReceivedMessage,
+    Receiver,
+    ResourceLimitExceeded,
+    ResourceLocked,
+    Sender,
+    Session,
+    connect,
 )
 from qflow.flow import FlowDefaults, QueueSettings, SettingsError
 from qflow.framing import FrameDecoder, FrameEncoder, FramingError

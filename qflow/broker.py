@@ -12,9 +12,9 @@ per session that has news. See qflow.accounting for the op log.
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left
 import time
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
@@ -396,8 +396,15 @@ class Broker:
         return q, True
 
     def modify_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
-        """Change a live queue's limits and thresholds; re-evaluates its flow state."""
+        """Change a live queue's limits and thresholds; re-evaluates its flow state.
+
+        Setting a stop threshold to 0 turns that unit off, so its old resume
+        threshold goes too unless the change names one."""
         merged = {**q.arguments, **arguments}
+        for stop_key, resume_key in (("qpid.flow_stop_count", "qpid.flow_resume_count"),
+                                     ("qpid.flow_stop_size", "qpid.flow_resume_size")):
+            if arguments.get(stop_key) == 0 and resume_key not in arguments:
+                merged.pop(resume_key, None)
         try:
             settings = resolve(merged, self.defaults)
         except SettingsError as exc:
@@ -634,10 +641,16 @@ class Broker:
     def _h_release(self, ssn, cid, transfers):
         unacked = ssn.unacked
         released = []
-        for did in self._ids("message.release", transfers):
-            item = unacked.pop(did, None)
-            if item is not None:
-                released.append(item)
+        for first, last in self._ids("message.release", transfers).ranges():
+            # As accept: never loop over a range wider than the unaccepted ids (a client may send [0, 2**62]).
+            if last - first > len(unacked):
+                todo = [d for d in unacked if first <= d <= last]
+            else:
+                todo = range(first, last + 1)
+            for did in todo:
+                item = unacked.pop(did, None)
+                if item is not None:
+                    released.append(item)
         for q, e in sorted(released, key=lambda item: -item[1][E_SEQ]):
             if not q.deleted:
                 e[E_REDELIVERED] = True

@@ -72,9 +72,9 @@ class Exchange:
             return cached
         cached = self._cache.get(routing_key)
         if cached is None:
-            words = routing_key.split(".")
+            words = _words(routing_key)
             cached = _unique(
-                q for key, qs in self._bindings.items() if topic_matches(key.split("."), words) for q in qs
+                q for key, qs in self._bindings.items() if topic_matches(_words(key), words) for q in qs
             )
             if len(self._cache) > 10000:  # bounded: routing keys may be unbounded
                 self._cache.clear()
@@ -90,6 +90,11 @@ def _unique(queues) -> list:
     for q in queues:
         seen.setdefault(id(q), q)
     return list(seen.values())
+
+
+def _words(key: str) -> list[str]:
+    """The words of a topic key; the empty key has none (so ``*`` does not match it)."""
+    return key.split(".") if key else []
 
 
 def topic_matches(pattern: list[str], words: list[str]) -> bool:

@@ -137,6 +137,10 @@ def resolve(arguments: dict[str, Any], defaults: FlowDefaults) -> QueueSettings:
         resume_count = resume_of(max_count, defaults.resume_pct) if max_count else 0
         stop_size = stop_of(max_size, defaults.stop_pct) if max_size else 0
         resume_size = resume_of(max_size, defaults.resume_pct) if max_size else 0
+        # As for explicit thresholds, a resume threshold of 0 equals its stop threshold
+        # (a literal 0 could never be undercut: the queue would stay stopped for good).
+        resume_count = resume_count or stop_count
+        resume_size = resume_size or stop_size
 
     if resume_count > stop_count:
         raise SettingsError(f"{RESUME_COUNT} ({resume_count}) must not exceed {STOP_COUNT} ({stop_count})")

@@ -9,6 +9,7 @@ claiming gigabytes is refused before anything is allocated for it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,6 +166,10 @@ class FrameDecoder:
         that only looks so; :meth:`_cannot_fit` decides.)"""
         start = max(stop - 5, self._frame_start)
         window = self._bytes(start, min(stop + 4, self._fed))
+        # A 16-bit length cannot take a frame this far from the limit past it: look for 32-bit ones only.
+        headers = _HEADERS_32 if stop - self._frame_start + 65538 <= self.max_frame_size else _HEADERS_ANY
+        if headers.search(window, 0, stop - start) is None:  # the usual case, at C speed
+            return False
         for i in range(min(stop - start, len(window))):
             width = _LONG_RAW_HEADERS.get(window[i])
             if width:
@@ -201,6 +206,10 @@ class FrameDecoder:
 
     def _bytes(self, start: int, end: int) -> bytes:
         """The fed bytes at offsets [start, end), start >= _frame_start."""
+        last = self._chunks[-1] if self._chunks else b""
+        base = self._fed - len(last)
+        if start >= base:  # the usual case: all in the last chunk fed
+            return last[start - base:end - base]
         out = []
         pos = self._chunks_start
         for chunk in self._chunks:
@@ -222,6 +231,8 @@ class FrameDecoder:
 # Type bytes of bin, str and ext headers with 16- and 32-bit lengths, to the
 # width of their length field; shorter ones cannot exceed MIN_MAX_FRAME_SIZE.
 _LONG_RAW_HEADERS = {0xC5: 2, 0xDA: 2, 0xC8: 2, 0xC6: 4, 0xDB: 4, 0xC9: 4}
+_HEADERS_ANY = re.compile(b"[\xc5\xc6\xc8\xc9\xda\xdb]")
+_HEADERS_32 = re.compile(b"[\xc6\xc9\xdb]")
 _ZEROS = memoryview(bytes(64 * 1024))
 
 

@@ -90,8 +90,9 @@ class RangeSet:
 
     def prefix_end(self, start: int = 0) -> int:
         """The largest n such that every id in [start, n) is in the set."""
-        if self._firsts and self._firsts[0] <= start:
-            return self._lasts[0] + 1
+        i = bisect_left(self._lasts, start)  # the first range that may hold start
+        if i < len(self._firsts) and self._firsts[i] <= start:
+            return self._lasts[i] + 1
         return start
 
     def __eq__(self, other: object) -> bool:

@@ -18,7 +18,12 @@ import trio
 from qflow import protocol as P
 from qflow.broker import _NO_COMPLETE, Broker, BrokerSession
 from qflow.framing import (
-    DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError,
+    DEFAULT_MAX_FRAME_SIZE,
+    MIN_MAX_FRAME_SIZE,
+    READ_SIZE,
+    FrameDecoder,
+    FrameEncoder,
+    FramingError,
 )
 from qflow.protocol import CommandError
 
@@ -54,31 +59,44 @@ class Connection:
         self._wake.set()
 
     async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer)
-            try:
-                await self._reader()
-            except ConnectionError_ as exc:
-                log.info("connection %s closed: %s", self.peer, exc.text)
-                self.encoder.write([P.CLOSE, exc.code, exc.text])
-            except FramingError as exc:
-                log.info("connection %s closed: %s", self.peer, exc)
-                if not self.decoder.header_done:
-                    # As AMQP: answer a bad header with our own, then close.
-                    self.encoder.write_header()
-                self.encoder.write([P.CLOSE, exc.code, str(exc)])
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
-            finally:
-                self._closing = True
-                # The writer may be mid-send: stop it before the last write.
-                nursery.cancel_scope.cancel()
-        self._close_sessions()
-        self.broker.flush()
-        with trio.move_on_after(1) as scope:
-            scope.shield = True
-            await self._send_pending()
-        await self.stream.aclose()
+        """Serve the connection until it ends. Whatever ends it, its sessions
+        are closed (deliveries released, held transfers dropped) and the socket
+        is closed: nothing outlives the connection."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer)
+                try:
+                    await self._reader()
+                except ConnectionError_ as exc:
+                    log.info("connection %s closed: %s", self.peer, exc.text)
+                    self.encoder.write([P.CLOSE, exc.code, exc.text])
+                except FramingError as exc:
+                    log.info("connection %s closed: %s", self.peer, exc)
+                    if not self.decoder.header_done:
+                        # As AMQP: answer a bad header with our own, then close.
+                        self.encoder.write_header()
+                    self.encoder.write([P.CLOSE, exc.code, str(exc)])
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+                except Exception:  # a broker bug: this connection ends, the broker carries on
+                    log.exception("connection %s: internal error", self.peer)
+                    self.encoder.write([P.CLOSE, P.INTERNAL_ERROR, "internal broker error"])
+                finally:
+                    self._closing = True
+                    # The writer may be mid-send: stop it before the last write.
+                    nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the writer found the peer gone
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    self._close_sessions()
+                    self.broker.flush()
+                except Exception:
+                    log.exception("connection %s: error while closing its sessions", self.peer)
+                with trio.move_on_after(1):
+                    await self._send_pending()
+                await self.stream.aclose()
 
     def _close_sessions(self) -> None:
         for ssn in list(self.sessions.values()):
@@ -98,6 +116,9 @@ class Connection:
             await self._wake.wait()
             self._wake = trio.Event()
             while len(encoder):
+                # Closing cancels this task: take nothing then, so run() sends it all
+                # (a cancelled send_all would drop what take() handed it).
+                await trio.lowlevel.checkpoint_if_cancelled()
                 await self.stream.send_all(encoder.take())
 
     async def _reader(self) -> None:
@@ -121,7 +142,7 @@ class Connection:
         for frame in self.decoder.frames():
             code = frame[0]
             if code == P.TRANSFER:
-                ssn = sessions.get(frame[1]) if len(frame) > 1 else None
+                ssn = sessions.get(frame[1]) if len(frame) > 1 and type(frame[1]) is int else None
                 if ssn is None:
                     self._no_session(frame)
                 cid = ssn.commands.receive()
@@ -135,7 +156,7 @@ class Connection:
                 except CommandError as exc:
                     broker.fail(ssn, cid, exc.code, exc.text)
             elif code >= P.FIRST_COMMAND:
-                ssn = sessions.get(frame[1]) if len(frame) > 1 else None
+                ssn = sessions.get(frame[1]) if len(frame) > 1 and type(frame[1]) is int else None
                 if ssn is None:
                     self._no_session(frame)
                 cid = ssn.commands.receive()
@@ -181,7 +202,7 @@ class Connection:
             self.encoder.write([P.ATTACHED, channel])
             self.wake()
         elif code == P.DETACH:
-            ssn = self.sessions.pop(frame[1], None) if len(frame) == 2 else None
+            ssn = self.sessions.pop(frame[1], None) if len(frame) == 2 and type(frame[1]) is int else None
             if ssn is None:
                 raise ConnectionError_(P.COMMAND_INVALID, f"session.detach: bad frame or no session: {frame!r:.80}")
             self.broker.flush()
@@ -189,7 +210,7 @@ class Connection:
             self.encoder.write([P.DETACHED, ssn.channel, P.NORMAL, "detached"])
             self.wake()
         elif code == P.FLUSH:
-            ssn = self.sessions.get(frame[1]) if len(frame) == 2 else None
+            ssn = self.sessions.get(frame[1]) if len(frame) == 2 and type(frame[1]) is int else None
             if ssn is None:
                 raise ConnectionError_(P.COMMAND_INVALID, f"session.flush: bad frame or no session: {frame!r:.80}")
             self.broker._dirty_sessions[ssn] = None  # flush() at the end of this batch reports
@@ -213,7 +234,7 @@ class Connection:
         if type(name) is not str or type(heartbeat) not in (int, float) or type(max_frame) is not int:
             raise ConnectionError_(P.COMMAND_INVALID, "connection.open: name must be a string, heartbeat a number, "
                                    "max_frame_size an int")
-        if heartbeat < 0 or max_frame < MIN_MAX_FRAME_SIZE:
+        if math.isnan(heartbeat) or heartbeat < 0 or max_frame < MIN_MAX_FRAME_SIZE:  # NaN: no timer takes it
             raise ConnectionError_(P.COMMAND_INVALID, f"connection.open: heartbeat must be >= 0 and max_frame_size "
                                    f">= {MIN_MAX_FRAME_SIZE}")
         self.name = name
@@ -245,7 +266,8 @@ class Server:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
-            peer = "%s:%s" % stream.socket.getpeername()[:2]
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
         except OSError:
             peer = "?"
         conn = Connection(self.broker, stream, self.max_frame_size, peer)

@@ -36,6 +36,13 @@ class IncomingCommands:
         self.complete_range(command_id, command_id)
 
     def complete_range(self, first: int, last: int) -> None:
+        self._complete_range(first, last)
+        syncs = self._syncs
+        while syncs and syncs[0] <= self.floor:  # a loop, not recursion: syncs may queue up by the thousand
+            sync_id = syncs.pop(0)
+            self._complete_range(sync_id, sync_id)
+
+    def _complete_range(self, first: int, last: int) -> None:
         self.to_report.add_range(first, last)
         if first == self.floor and not self._above:
             self.floor = last + 1  # the usual case: in order
@@ -45,9 +52,6 @@ class IncomingCommands:
             if end > self.floor:
                 self.floor = end
                 self._above = RangeSet(r for r in self._above.ranges() if r[0] > end)
-        while self._syncs and self._syncs[0] <= self.floor:
-            sync_id = self._syncs.pop(0)
-            self.complete_range(sync_id, sync_id)
 
     def sync(self, command_id: int) -> None:
         """execution.sync ``command_id`` completes once every earlier command has."""
@@ -55,6 +59,14 @@ class IncomingCommands:
             self.complete(command_id)
         else:
             self._syncs.append(command_id)
+
+    def incomplete_count(self) -> int:
+        """Commands received and not yet complete (waiting syncs included)."""
+        return self.next_id - self.floor - len(self._above)
+
+    @property
+    def waiting_syncs(self) -> int:
+        return len(self._syncs)
 
     @property
     def all_complete(self) -> bool:

@@ -16,7 +16,6 @@ from qflow.flow import FlowDefaults
 from tests.conftest import start_broker
 
 
-
 async def stats(ssn: qflow.Session, queue: str) -> dict:
     return await ssn.query_queue(queue)
 
@@ -447,3 +446,16 @@ async def test_blocked_send_warns_every_notify_period(running, ssn, caplog):
         await sender.send(b"3")
     warnings = [r.getMessage() for r in caplog.records if "delayed" in r.getMessage()]
     assert warnings and all("flow control on queue slowq" in w for w in warnings)
+
+
+async def test_modify_with_stop_zero_turns_flow_control_off(running, ssn):
+    await ssn.declare_queue("q", arguments={"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1})
+    sender = ssn.sender("q", capacity=10)
+    for _ in range(4):
+        await sender.send(b"x")
+    await wait_for(lambda: sender.incomplete == 2)
+    s = await ssn.modify_queue("q", {"qpid.flow_stop_count": 0})
+    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopped"]) == (0, 0, False)
+    assert "qpid.flow_resume_count" not in s["arguments"]
+    with trio.fail_after(20):
+        await sender.sync()

@@ -1,0 +1,130 @@
+"""qflow-receive: receive messages from a qflow queue, as qpid-receive does from qpidd.
+
+    qflow-receive -b HOST:PORT -a QUEUE [--messages N] [--timeout SECS | --forever]
+                  [--print-content yes|no] [--capacity N] [--ack-frequency N] [--report-total]
+
+Prints each body on its own line (``--print-content yes``, the default).
+Exits 0 once N messages arrived (N = 0: no limit) or when nothing arrived
+for SECS seconds; every message it took is accepted (dequeued) before it
+exits. Exit 1 with the broker's message when the queue is refused or the
+broker cannot be reached; 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import trio
+
+import qflow
+
+from ._common import (
+    DEFAULT_BROKER,
+    PROGRESS_MIN,
+    fail,
+    non_negative,
+    parse_address,
+    positive,
+    positive_float,
+    progress_bar,
+    yes_no,
+)
+
+PROG = "qflow-receive"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Receive messages from a qflow queue.")
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT",
+                   help=f"the broker's protocol address (default {DEFAULT_BROKER})")
+    p.add_argument("-a", "--address", required=True, metavar="QUEUE", help="the queue to receive from")
+    p.add_argument("-m", "--messages", type=non_negative, default=0, metavar="N",
+                   help="stop after N messages (default 0: no limit)")
+    wait = p.add_mutually_exclusive_group()
+    wait.add_argument("--timeout", type=positive_float, default=1.0, metavar="SECS",
+                      help="stop when no message arrived for SECS seconds (default 1)")
+    wait.add_argument("-f", "--forever", action="store_true", help="never stop for want of messages")
+    p.add_argument("--print-content", type=yes_no, default=True, metavar="yes|no",
+                   help="print each body on its own line (default yes)")
+    p.add_argument("--capacity", type=positive, default=1000, metavar="N",
+                   help="messages the broker may send ahead: the credit window (default 1000)")
+    p.add_argument("--ack-frequency", type=positive, default=100, metavar="N",
+                   help="accept received messages in batches of N (default 100)")
+    p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
+    p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
+                   help="the connection's name, shown by qflow-stat -c")
+    return p
+
+
+async def receive(args: argparse.Namespace, host: str, port: int) -> tuple[int, int, float]:
+    """Receive until done; returns (messages, bytes, seconds from the first message to the last)."""
+    out = sys.stdout.buffer
+    flush_each = sys.stdout.isatty()  # a person watching sees each line at once; a pipe gets big writes
+    conn = await qflow.connect(host, port, name=args.connection_name)
+    try:
+        ssn = await conn.session()
+        receiver = await ssn.receiver(args.address, capacity=args.capacity, accept="auto",
+                                      ack_frequency=min(args.ack_frequency, args.capacity))
+        limit = args.messages
+        timeout = None if args.forever else args.timeout
+        bar = progress_bar(limit or None, PROG, not args.print_content and (limit == 0 or limit >= PROGRESS_MIN))
+        received = nbytes = 0
+        first = last = 0.0
+        try:
+            while limit == 0 or received < limit:
+                try:
+                    msg = await receiver.fetch(timeout)
+                except qflow.Empty:
+                    break
+                last = trio.current_time()
+                if not received:
+                    first = last
+                received += 1
+                nbytes += len(msg.body)
+                if args.print_content:
+                    out.write(msg.body + b"\n")
+                    if flush_each:
+                        out.flush()
+                bar.update()
+        finally:
+            bar.close()
+        # Accept what was taken and wait for the broker to have it: a message
+        # printed here must be gone from the queue once we exit.
+        await receiver.close()
+        out.flush()
+        return received, nbytes, last - first
+    finally:
+        await conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_address(args.broker, 5672)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    try:
+        received, nbytes, seconds = trio.run(receive, args, host, port)
+    except qflow.QflowError as exc:
+        return fail(PROG, exc.text)
+    except BrokenPipeError:
+        # Whoever read our output (head, say) has gone: stop quietly, and keep
+        # Python from complaining when it flushes stdout on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:
+        return fail(PROG, f"cannot connect to {host}:{port}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return 130
+    if args.report_total:
+        rate = received / seconds if seconds > 0 else 0.0
+        print("msgs\tbytes\tsecs\ttp(m/s)")
+        print(f"{received}\t{nbytes}\t{seconds:.3f}\t{rate:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

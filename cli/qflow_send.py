@@ -1,0 +1,140 @@
+"""qflow-send: send messages to a qflow broker, as qpid-send does to qpidd.
+
+    qflow-send -b HOST:PORT -a ADDRESS [--messages N] [--content-string S | --content-size N |
+               --content-stdin] [--capacity N] [--durable] [--send-rate N] [--report-total]
+
+ADDRESS is a queue name (sent through the default exchange) or
+``EXCHANGE/ROUTING-KEY``; it must exist, as a Qpid address must resolve.
+``--capacity`` is the sender window: how many transfers may be incomplete
+at once. When a destination queue's flow control holds completions, sending
+pauses after that many (a warning says which queue every few seconds).
+
+Exit 0 only once every transfer is complete; 1 with the broker's message when
+a transfer (or the address) is refused or the broker cannot be reached; 2 for
+a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+import trio
+
+import qflow
+
+from ._common import (
+    DEFAULT_BROKER,
+    PROGRESS_MIN,
+    fail,
+    non_negative,
+    parse_address,
+    positive,
+    positive_float,
+    progress_bar,
+    yes_no,
+)
+
+PROG = "qflow-send"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Send messages to a qflow broker.")
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT",
+                   help=f"the broker's protocol address (default {DEFAULT_BROKER})")
+    p.add_argument("-a", "--address", required=True, help="QUEUE, or EXCHANGE/ROUTING-KEY")
+    p.add_argument("-m", "--messages", type=non_negative, default=None, metavar="N",
+                   help="messages to send (default 1, or every line with --content-stdin)")
+    content = p.add_mutually_exclusive_group()
+    content.add_argument("--content-string", metavar="S", help="the body of every message")
+    content.add_argument("--content-size", type=non_negative, metavar="N", help="bodies of N bytes ('X' each)")
+    content.add_argument("--content-stdin", action="store_true", help="one message per line of standard input")
+    p.add_argument("--capacity", type=positive, default=1000, metavar="N",
+                   help="transfers that may be incomplete at once: the sender window (default 1000)")
+    p.add_argument("--durable", type=yes_no, nargs="?", const=True, default=False, metavar="yes|no",
+                   help="mark messages durable")
+    p.add_argument("--send-rate", type=positive_float, metavar="N", help="send at most N messages a second")
+    p.add_argument("--flow-timeout", type=positive_float, metavar="SECS",
+                   help="give up (exit 1) after waiting SECS for broker flow control (default: wait)")
+    p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
+    p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
+                   help="the connection's name, shown by qflow-stat -c")
+    return p
+
+
+def bodies(args: argparse.Namespace) -> Iterator[bytes]:
+    if args.content_stdin:
+        limit = args.messages
+        for n, line in enumerate(sys.stdin.buffer):
+            if limit is not None and n >= limit:
+                return
+            yield line.rstrip(b"\r\n")
+        return
+    count = 1 if args.messages is None else args.messages
+    if args.content_size is not None:
+        body = b"X" * args.content_size
+    else:
+        body = (args.content_string or "").encode()
+    for _ in range(count):
+        yield body
+
+
+async def send(args: argparse.Namespace, host: str, port: int) -> tuple[int, int, float]:
+    """Send everything and wait for every completion. Returns (messages, bytes, seconds)."""
+    conn = await qflow.connect(host, port, name=args.connection_name)
+    try:
+        ssn = await conn.session()
+        exchange, slash, key = args.address.partition("/")
+        if slash:
+            await ssn.declare_exchange(exchange, passive=True)
+        else:
+            await ssn.query_queue(args.address)
+        sender = ssn.sender(args.address, capacity=args.capacity, rate=args.send_rate,
+                            flow_timeout=args.flow_timeout)
+        total = None if args.content_stdin else (1 if args.messages is None else args.messages)
+        bar = progress_bar(total, PROG, total is None or total >= PROGRESS_MIN)
+        started = trio.current_time()
+        sent = nbytes = 0
+        try:
+            for body in bodies(args):
+                await sender.send(body, durable=args.durable)
+                sent += 1
+                nbytes += len(body)
+                bar.update()
+            await sender.sync()  # "exits 0 only after every transfer is complete"
+        finally:
+            bar.close()
+        return sent, nbytes, trio.current_time() - started
+    finally:
+        await conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_address(args.broker, 5672)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    # The client warns through logging while flow control holds the sender: show it.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"{PROG}: %(message)s")
+    try:
+        sent, nbytes, seconds = trio.run(send, args, host, port)
+    except qflow.QflowError as exc:
+        return fail(PROG, exc.text)
+    except OSError as exc:
+        return fail(PROG, f"cannot connect to {host}:{port}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        return 130
+    if args.report_total:
+        rate = sent / seconds if seconds > 0 else 0.0
+        print("msgs\tbytes\tsecs\ttp(m/s)")
+        print(f"{sent}\t{nbytes}\t{seconds:.3f}\t{rate:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

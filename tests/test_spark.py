@@ -1,0 +1,411 @@
+"""The PySpark data source: batch and streaming, read and write, against a real
+qflowd subprocess (Spark's Python workers are separate processes).
+
+One local[1] SparkSession serves the whole module. Skipped only when pyspark
+cannot be imported; ``make test`` installs it (the ``test`` extra pulls in
+``qflow[spark]``), so CI runs these.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'qflow[spark]')")
+
+import trio  # noqa: E402
+
+import qflow  # noqa: E402
+from qflow.spark import QflowDataSource, register  # noqa: E402
+from qflow.spark.datasource import (  # noqa: E402
+    ReadOptions,
+    SequenceRange,
+    WriteOptions,
+    parse_broker,
+    split_range,
+)
+from tests.conftest import Daemon, start_qflowd  # noqa: E402
+
+# Spark is slow to start and does not depend on the accounting implementation:
+# run these once (make test runs the suite again under QFLOW_ACCOUNTING=python).
+pytestmark = pytest.mark.native_only
+
+SPARK_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.driver.host": "127.0.0.1",  # loopback only
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "1",
+    "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+    "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+}
+
+
+# -- fixtures ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_qflowd()
+    try:
+        yield d
+    finally:
+        d.proc.terminate()
+        try:
+            d.proc.wait(timeout=10)
+        except Exception:
+            d.proc.kill()
+            d.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    # Spark's workers run `python3` from PATH unless told otherwise.
+    saved = {k: os.environ.get(k) for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")}
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    builder = SparkSession.builder.master("local[1]").appName("qflow-tests")
+    for k, v in SPARK_CONF.items():
+        builder = builder.config(k, v)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    try:
+        yield session
+    finally:
+        session.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def broker(daemon: Daemon) -> str:
+    return f"127.0.0.1:{daemon.port}"
+
+
+# -- helpers: short trio programs against the daemon ---------------------------------
+def on_broker(daemon: Daemon, fn: Any, *args: Any) -> Any:
+    async def main() -> Any:
+        with trio.fail_after(60):
+            conn = await qflow.connect("127.0.0.1", daemon.port)
+            try:
+                return await fn(await conn.session(), *args)
+            finally:
+                await conn.close()
+
+    return trio.run(main)
+
+
+def declare(daemon: Daemon, *names: str, **arguments: Any) -> None:
+    async def go(ssn: qflow.Session) -> None:
+        for name in names:
+            await ssn.declare_queue(name, arguments=arguments or None)
+
+    on_broker(daemon, go)
+
+
+def send(daemon: Daemon, queue: str, bodies: list[str]) -> None:
+    async def go(ssn: qflow.Session) -> None:
+        sender = ssn.sender(queue, capacity=100)
+        for b in bodies:
+            await sender.send(b)
+        await sender.sync()
+
+    on_broker(daemon, go)
+
+
+def stats(daemon: Daemon, queue: str) -> dict[str, Any]:
+    async def go(ssn: qflow.Session) -> dict[str, Any]:
+        return await ssn.query_queue(queue)
+
+    return on_broker(daemon, go)
+
+
+def browse(daemon: Daemon, queue: str) -> list[qflow.ReceivedMessage]:
+    """Every message on ``queue``, without taking any."""
+    async def go(ssn: qflow.Session) -> list[qflow.ReceivedMessage]:
+        depth = (await ssn.query_queue(queue))["msgDepth"]
+        receiver = await ssn.receiver(queue, browse=True)
+        out = [await receiver.fetch(timeout=10) for _ in range(depth)]
+        await receiver.close()
+        return out
+
+    return on_broker(daemon, go)
+
+
+def drain(daemon: Daemon, queue: str, n: int, timeout: float = 60) -> list[qflow.ReceivedMessage]:
+    async def go(ssn: qflow.Session) -> list[qflow.ReceivedMessage]:
+        receiver = await ssn.receiver(queue, capacity=10)
+        out = []
+        with trio.fail_after(timeout):
+            while len(out) < n:
+                out.append(await receiver.fetch())
+        await receiver.close()
+        return out
+
+    return on_broker(daemon, go)
+
+
+def read(spark: Any, broker: str, queue: str, **options: str) -> Any:
+    return spark.read.format("qflow").option("broker", broker).option("queue", queue).options(**options).load()
+
+
+# -- no Spark needed: options and ranges ---------------------------------------------
+def test_parse_broker() -> None:
+    assert parse_broker("127.0.0.1:5673") == ("127.0.0.1", 5673)
+    assert parse_broker("localhost") == ("localhost", 5672)
+    assert parse_broker("[::1]:7000") == ("::1", 7000)
+    for bad, text in [("", "empty"), ("h:x", "not a number"), ("h:0", "1..65535"), ("::1", "IPv6"),
+                      (":5672", "no host")]:
+        with pytest.raises(ValueError, match=text):
+            parse_broker(bad)
+
+
+def test_options_are_case_insensitive_and_checked() -> None:
+    opts = ReadOptions.parse({"QUEUE": "q", "maxMessagesPerTrigger": "10", "Broker": "h:1"})
+    assert (opts.queue, opts.max_per_trigger, opts.endpoint.host, opts.endpoint.port) == ("q", 10, "h", 1)
+    with pytest.raises(ValueError, match="needs option 'queue'"):
+        ReadOptions.parse({})
+    with pytest.raises(ValueError, match="maxMessagesPerTrigger' must be an integer"):
+        ReadOptions.parse({"queue": "q", "maxmessagespertrigger": "lots"})
+    with pytest.raises(ValueError, match="'consume' must be true or false"):
+        ReadOptions.parse({"queue": "q", "consume": "maybe"})
+    w = WriteOptions.parse({"exchange": "ex", "routingkey": "k", "capacity": "7"})
+    assert (w.address, w.capacity, w.send_timeout) == ("ex/k", 7, None)
+    assert WriteOptions.parse({"queue": "q", "sendtimeout": "2.5"}).send_timeout == 2.5
+    for bad, text in [({}, "needs option 'queue'"), ({"queue": "q", "exchange": "e"}, "not both"),
+                      ({"queue": "q", "capacity": "0"}, "at least 1"),
+                      ({"queue": "q", "routingkey": "k"}, "goes with 'exchange'")]:
+        with pytest.raises(ValueError, match=text):
+            WriteOptions.parse(bad)
+
+
+def test_split_range() -> None:
+    assert split_range(5, 4, None) == []
+    parts = split_range(1, 10, 3)
+    assert [(p.first, p.last) for p in parts] == [(1, 4), (5, 7), (8, 10)]
+    assert len(split_range(1, 2, 8)) == 2  # never an empty partition
+    assert len(split_range(1, 1_000_000, None)) == 8
+    assert all(isinstance(p, SequenceRange) for p in parts)
+
+
+def test_everything_pickles() -> None:
+    """Spark pickles the source, its readers, writers and partitions: none may
+    hold a socket or a lock before read/write runs."""
+    import pickle
+
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from qflow.spark import COLUMNS
+    from qflow.spark.datasource import QflowBatchWriter, QflowStreamWriter
+
+    ds = QflowDataSource({"queue": "q", "broker": "127.0.0.1:1"})
+    schema = StructType([StructField(name, StringType()) for name in COLUMNS])  # only the names matter
+    opts = WriteOptions.parse({"queue": "q"})
+    for obj in (ds, ds.reader(schema), ds.streamReader(schema), split_range(1, 10, 2)[0],
+                QflowBatchWriter(opts, "w"), QflowStreamWriter(opts, None)):
+        assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
+
+
+# -- Spark ------------------------------------------------------------------------------
+def test_batch_write_and_read_round_trip(spark: Any, daemon: Daemon, broker: str) -> None:
+    declare(daemon, "rt", "rt-copy", "by-key-1", "by-key-2")
+    rows = [(f"order {i}", f"id-{i}" if i % 2 else None, {"n": str(i)}) for i in range(30)]
+    df = spark.createDataFrame(rows, "body string, message_id string, headers map<string,string>").repartition(2)
+    df.write.format("qflow").option("broker", broker).option("queue", "rt").option("capacity", "8") \
+        .mode("append").save()
+
+    st = stats(daemon, "rt")
+    assert (st["msgDepth"], st["firstSequence"], st["lastSequence"]) == (30, 1, 30)
+    got = read(spark, broker, "rt", numPartitions="3").orderBy("sequence").collect()
+    assert [r.sequence for r in got] == list(range(1, 31))
+    assert sorted(r.body.decode() for r in got) == sorted(b for b, _, _ in rows)
+    by_body = {r.body.decode(): r for r in got}
+    for body, mid, headers in rows:
+        r = by_body[body]
+        assert r.headers == headers and r.routing_key == "rt" and r.exchange == "" and r.redelivered is False
+        if mid is not None:
+            assert r.message_id == mid
+        else:  # deterministic: WRITE-ID-PARTITION-ROW
+            write_id, partition, row = r.message_id.rsplit("-", 2)
+            assert len(write_id) == 12 and partition in ("0", "1") and row.isdigit()
+    assert len({r.message_id for r in got}) == 30
+    assert stats(daemon, "rt")["msgDepth"] == 30  # reading browses: nothing taken
+
+    # What was read writes back unchanged (the extra columns are ignored), to a
+    # queue or through an exchange with a routing_key column.
+    read(spark, broker, "rt").write.format("qflow").option("broker", broker).option("queue", "rt-copy") \
+        .mode("append").save()
+    copied = browse(daemon, "rt-copy")
+    assert sorted(m.body for m in copied) == sorted(r.body for r in got)
+    assert {m.routing_key for m in copied} == {"rt-copy"}
+
+    async def topology(ssn: qflow.Session) -> None:
+        await ssn.declare_exchange("orders-ex", "direct")
+        await ssn.bind("orders-ex", "by-key-1", "k1")
+        await ssn.bind("orders-ex", "by-key-2", "k2")
+
+    on_broker(daemon, topology)
+    keyed = spark.createDataFrame([(b"x", "k1"), (b"y", "k2"), (b"z", "k2")], "body binary, routing_key string")
+    keyed.write.format("qflow").option("broker", broker).option("exchange", "orders-ex").mode("append").save()
+    assert [m.body for m in browse(daemon, "by-key-1")] == [b"x"]
+    assert [m.body for m in browse(daemon, "by-key-2")] == [b"y", b"z"]
+
+    # consume=true removes what the read handed over.
+    assert read(spark, broker, "rt", consume="true").count() == 30
+    assert stats(daemon, "rt")["msgDepth"] == 0
+
+
+def stream(spark: Any, broker: str, source: str, sink: str, checkpoint: str, per_trigger: int,
+           transform: Any = None) -> Any:
+    df = spark.readStream.format("qflow").option("broker", broker).option("queue", source) \
+        .option("maxMessagesPerTrigger", str(per_trigger)).load()
+    df = transform(df) if transform else df.select("body")
+    return df.writeStream.format("qflow").option("broker", broker).option("queue", sink) \
+        .option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
+
+
+def test_streaming_available_now_reads_writes_and_commits(spark: Any, daemon: Daemon, broker: str,
+                                                          tmp_path: Any) -> None:
+    declare(daemon, "s-in", "s-out")
+    send(daemon, "s-in", [f"m{i}" for i in range(10)])
+    checkpoint = str(tmp_path / "ckpt")
+    q = stream(spark, broker, "s-in", "s-out", checkpoint, per_trigger=4)
+    assert q.awaitTermination(120)
+    assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == [4, 4, 2]  # admission control
+    out = browse(daemon, "s-out")
+    assert [m.body for m in out] == [f"m{i}".encode() for i in range(10)]
+    # Ids are QUERY-ID-BATCH-PARTITION-ROW: a replayed batch repeats them.
+    assert [m.message_id.rsplit("-", 3)[1:] for m in out[:5]] == [["0", "0", str(i)] for i in range(4)] + [
+        ["1", "0", "0"]]
+    assert {m.message_id.rsplit("-", 3)[0] for m in out} == {q.id}
+    # Spark commits a batch's source offsets when it plans the next batch:
+    # batches 0 and 1 are removed, the last one waits for the next run.
+    st = stats(daemon, "s-in")
+    assert (st["msgDepth"], st["firstSequence"]) == (2, 9)
+
+    send(daemon, "s-in", ["late-1", "late-2", "late-3"])
+    q = stream(spark, broker, "s-in", "s-out", checkpoint, per_trigger=4)
+    assert q.awaitTermination(120)
+    out = browse(daemon, "s-out")
+    assert [m.body for m in out][10:] == [b"late-1", b"late-2", b"late-3"]  # nothing read twice
+    st = stats(daemon, "s-in")
+    assert (st["msgDepth"], st["firstSequence"]) == (3, 11)
+
+
+def test_replay_after_restart_before_commit(spark: Any, daemon: Daemon, broker: str, tmp_path: Any) -> None:
+    """Batch 0 fails in its write task after sending part of its rows; the
+    query restarts from its checkpoint, replays batch 0 with the same range and
+    the same message ids, and nothing is lost: dedupe by id gives each once."""
+    from pyspark.sql.functions import col, udf
+
+    declare(daemon, "r-in", "r-out")
+    send(daemon, "r-in", [f"r{i}" for i in range(6)])
+    flag = tmp_path / "fail"
+    flag.write_text("1")
+    flag_path = str(flag)
+
+    @udf("string", useArrow=False)
+    def body_or_fail(body: bytes) -> str:
+        if body == b"r2" and os.path.exists(flag_path):
+            raise RuntimeError("injected failure")
+        return body.decode()
+
+    def transform(df: Any) -> Any:
+        return df.select(body_or_fail(col("body")).alias("body"))
+
+    checkpoint = str(tmp_path / "ckpt")
+    q = stream(spark, broker, "r-in", "r-out", checkpoint, per_trigger=4, transform=transform)
+    with pytest.raises(Exception, match="injected failure"):
+        q.awaitTermination(120)
+    assert stats(daemon, "r-in")["msgDepth"] == 6  # not committed
+    send(daemon, "r-in", ["r6", "r7"])  # arrives while the query is down
+
+    flag.unlink()
+    q = stream(spark, broker, "r-in", "r-out", checkpoint, per_trigger=4, transform=transform)
+    assert q.awaitTermination(120)
+    out = browse(daemon, "r-out")
+    first = {}
+    for m in out:
+        assert first.setdefault(m.message_id, m.body) == m.body  # a duplicate is the same message
+    assert sorted(first.values()) == [f"r{i}".encode() for i in range(8)]
+    batches = sorted({m.message_id.rsplit("-", 3)[1] for m in out})
+    assert batches == ["0", "1"]  # batch 0 replayed its range (r0..r3), r4..r7 came in batch 1
+    assert sorted(first[k] for k in first if k.rsplit("-", 3)[1] == "0") == [b"r0", b"r1", b"r2", b"r3"]
+
+
+def test_write_blocks_on_flow_stopped_queue_until_drained(spark: Any, daemon: Daemon, broker: str) -> None:
+    """A Spark write task meets a flow-stopped queue: it waits (no Spark
+    timeout fires) and finishes once a consumer drains the queue."""
+    declare(daemon, "slow", **{"qpid.flow_stop_count": 5, "qpid.flow_resume_count": 2})
+    df = spark.createDataFrame([(f"b{i}",) for i in range(40)], "body string").coalesce(1)
+    seen: dict[str, Any] = {}
+    saved = threading.Event()
+
+    def consumer() -> None:  # Spark stays on the main thread, where its session is active
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not stats(daemon, "slow")["flowStopped"]:
+                time.sleep(0.2)
+            time.sleep(2)  # the task is held: it neither finishes nor fails
+            seen["held"] = stats(daemon, "slow")
+            seen["saved_while_held"] = saved.is_set()
+            seen["drain_started"] = time.monotonic()
+            seen["got"] = drain(daemon, "slow", 40)
+        except BaseException as exc:  # reported below
+            seen["error"] = exc
+
+    thread = threading.Thread(target=consumer, daemon=True)
+    thread.start()
+    df.write.format("qflow").option("broker", broker).option("queue", "slow").option("capacity", "2") \
+        .mode("append").save()
+    saved_at = time.monotonic()
+    saved.set()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and "error" not in seen, seen
+    held = seen["held"]
+    assert held["flowStopped"] and 5 < held["msgDepth"] <= 5 + 2 and held["heldTransfers"] >= 1, held
+    assert not seen["saved_while_held"] and saved_at > seen["drain_started"]
+    got = seen["got"]
+    assert sorted(m.body for m in got) == sorted(f"b{i}".encode() for i in range(40))
+    assert len({m.message_id for m in got}) == 40
+    st = stats(daemon, "slow")
+    assert st["flowStoppedCount"] >= 1 and st["msgDepth"] == 0
+
+
+def test_option_errors(spark: Any, daemon: Daemon, broker: str) -> None:
+    declare(daemon, "errs")
+    df = spark.createDataFrame([("x",)], "body string")
+
+    def fails(action: Any, text: str) -> None:
+        with pytest.raises(Exception, match=text):
+            action()
+
+    fails(lambda: spark.read.format("qflow").option("broker", broker).load().collect(), "needs option 'queue'")
+    fails(lambda: read(spark, broker, "no-such-queue").collect(), "queue 'no-such-queue' does not exist")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    fails(lambda: read(spark, closed, "errs").collect(), "cannot connect to the broker")
+
+    def write(frame: Any = df, mode: str = "append", **options: str) -> Any:
+        return lambda: frame.write.format("qflow").option("broker", broker).options(**options).mode(mode).save()
+
+    fails(write(queue="errs", mode="overwrite"), r"mode\('append'\) is the supported save mode")
+    fails(write(queue="errs", mode="error"), "Append")  # Spark's own refusal of the other modes
+    fails(write(queue="errs", capacity="none"), "'capacity' must be an integer")
+    fails(write(queue="nowhere"), "queue 'nowhere' does not exist")
+    fails(write(spark.createDataFrame([("x", 1)], "body string, priority int"), queue="errs"),
+          r"cannot write columns \['priority'\]")
+    fails(write(spark.createDataFrame([(1,)], "payload int"), queue="errs"), "needs a 'body' column")
+    assert stats(daemon, "errs")["msgDepth"] == 0
