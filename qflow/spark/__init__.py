@@ -9,6 +9,11 @@ Install with ``pip install 'qflow[spark]'`` (pyspark >= 4.0 and pyarrow), then::
 See docs/spark.md for the options, the schema and the delivery guarantees.
 """
 
+try:
+    import pyspark  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("qflow.spark needs pyspark>=4.0 and pyarrow: pip install 'qflow[spark]'") from exc
+
 from qflow.spark.datasource import (
     COLUMNS,
     FORMAT,

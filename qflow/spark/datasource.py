@@ -255,25 +255,26 @@ class WriteOptions:
 
 def _check_write_schema(schema: StructType) -> None:
     names = [f.name for f in schema.fields]
-    lowered = dict(zip(names, schema.fields, strict=True))
-    if "body" not in lowered:
+    by_name = dict(zip(names, schema.fields, strict=True))
+    if "body" not in by_name:
         raise QflowOptionError(f"qflow: the DataFrame to write needs a 'body' column (binary or string); "
                                f"it has {names}")
     unknown = [n for n in names if n not in WRITE_COLUMNS + IGNORED_WRITE_COLUMNS]
     if unknown:
         raise QflowOptionError(f"qflow: cannot write columns {unknown}: a message is written from 'body' and "
                                f"optional {list(WRITE_COLUMNS[1:])} (select or rename the columns first)")
-    if not isinstance(lowered["body"].dataType, (BinaryType, StringType)):
+    if not isinstance(by_name["body"].dataType, (BinaryType, StringType)):
         raise QflowOptionError(f"qflow: column 'body' must be binary or string, not "
-                               f"{lowered['body'].dataType.simpleString()}")
+                               f"{by_name['body'].dataType.simpleString()}")
     for name in ("routing_key", "message_id", "correlation_id", "content_type"):
-        if name in lowered and not isinstance(lowered[name].dataType, StringType):
+        if name in by_name and not isinstance(by_name[name].dataType, StringType):
             raise QflowOptionError(f"qflow: column {name!r} must be a string, not "
-                                   f"{lowered[name].dataType.simpleString()}")
-    if "headers" in lowered:
-        t = lowered["headers"].dataType
+                                   f"{by_name[name].dataType.simpleString()}")
+    if "headers" in by_name:
+        t = by_name["headers"].dataType
         if not (isinstance(t, MapType) and isinstance(t.keyType, StringType)):
-            raise QflowOptionError(f"qflow: column 'headers' must be a map with string keys, not {t.simpleString()}")
+            raise QflowOptionError(f"qflow: column 'headers' must be a map with string keys, "
+                                   f"not {t.simpleString()}")
 
 
 def _run(fn: Any, *args: Any) -> Any:
@@ -284,8 +285,8 @@ def _run(fn: Any, *args: Any) -> Any:
 async def _stats(endpoint: Endpoint, queue: str) -> dict[str, Any]:
     conn = await endpoint.connect()
     try:
-        ssn = await conn.session()
         with trio.fail_after(endpoint.connect_timeout):
+            ssn = await conn.session()
             return await ssn.query_queue(queue)
     finally:
         await conn.close()
@@ -302,8 +303,8 @@ def queue_stats(endpoint: Endpoint, queue: str) -> dict[str, Any]:
 async def _remove_through(endpoint: Endpoint, queue: str, sequence: int) -> int:
     conn = await endpoint.connect()
     try:
-        ssn = await conn.session()
         with trio.fail_after(endpoint.connect_timeout):
+            ssn = await conn.session()
             return await ssn.remove_through(queue, sequence)
     finally:
         await conn.close()
@@ -364,9 +365,9 @@ async def _browse_chunk(opts: ReadOptions, start: int, last: int, limit: int) ->
     rows: list[tuple] = []
     conn = await opts.endpoint.connect()
     try:
-        ssn = await conn.session()
         capacity = max(1, min(limit, last - start + 1, 1000))
         with trio.fail_after(opts.endpoint.connect_timeout):
+            ssn = await conn.session()
             receiver = await ssn.receiver(opts.queue, browse=True, start_sequence=start, capacity=capacity)
         quiet = 0.0
         poll = min(0.5, opts.idle_timeout)
@@ -435,7 +436,8 @@ class QflowBatchReader(DataSourceReader):
         st = queue_stats(self.opts.endpoint, self.opts.queue)
         # consume=true reads one partition: removing through the end of a range
         # removes everything before it too, which another task may be reading.
-        parts = split_range(st["firstSequence"], st["lastSequence"], 1 if self.opts.consume else self.opts.num_partitions)
+        parts = split_range(st["firstSequence"], st["lastSequence"],
+                            1 if self.opts.consume else self.opts.num_partitions)
         return parts or [SequenceRange(0, 1, 0)]  # an empty range: no rows
 
     def read(self, partition: SequenceRange) -> Iterator[tuple]:
@@ -535,7 +537,8 @@ async def _send_rows(opts: WriteOptions, rows: Iterable[Any], id_prefix: str) ->
     keyed = not opts.queue
     conn = await opts.endpoint.connect()
     try:
-        ssn = await conn.session()
+        with trio.fail_after(opts.endpoint.connect_timeout):
+            ssn = await conn.session()
         sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout)
         n = 0
         for row in rows:
@@ -564,8 +567,8 @@ async def _send_rows(opts: WriteOptions, rows: Iterable[Any], id_prefix: str) ->
 async def _check_destination(opts: WriteOptions) -> None:
     conn = await opts.endpoint.connect()
     try:
-        ssn = await conn.session()
         with trio.fail_after(opts.endpoint.connect_timeout):
+            ssn = await conn.session()
             if opts.queue:
                 await ssn.query_queue(opts.queue)
             else:
