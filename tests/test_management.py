@@ -510,15 +510,6 @@ async def test_connection_limit(nursery: trio.Nursery) -> None:
 # -- the daemon ------------------------------------------------------------------------
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _sync_request(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(data)
@@ -543,7 +534,7 @@ def test_qflowd_serves_the_api_on_its_ready_line_port() -> None:
         assert (info["options"]["defaultFlowStopThreshold"], info["options"]["defaultFlowResumeThreshold"]) == (90, 75)
         assert d.proc.poll() is None
     finally:
-        _stop(d.proc)
+        d.stop()
 
 
 def test_qflowd_management_options() -> None:

@@ -54,12 +54,7 @@ def daemon() -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        d.proc.terminate()
-        try:
-            d.proc.wait(timeout=10)
-        except Exception:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+        d.stop()
 
 
 @pytest.fixture(scope="module")

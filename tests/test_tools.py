@@ -28,17 +28,11 @@ DEADLINE = 60.0  # seconds for anything to happen on a slow machine; never a tim
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    # Warnings only: nobody reads the daemon's stderr pipe, which must never fill.
-    d = start_qflowd("--mgmt-port", "0", "--log-level", "warning")
+    d = start_qflowd("--mgmt-port", "0")
     try:
         yield d
     finally:
-        d.proc.terminate()
-        try:
-            d.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait()
+        d.stop()
 
 
 def command(name: str) -> list[str]:
