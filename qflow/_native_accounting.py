@@ -92,8 +92,8 @@ class NativeAccounting:
 
     # -- the batch ----------------------------------------------------------
     def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]:
-        if type(log) is not array or log.typecode != "q":
-            log = array("q", log)  # the odd caller; the broker passes array('q')
+        if not ((type(log) is array and log.typecode == "q") or (type(log) is memoryview and log.format == "q")):
+            log = array("q", log)  # the odd caller; the broker passes a memoryview cast to 'q'
         rc = lib.acct_apply(self._st, _from_buffer("int64_t[]", log), len(log))
         if rc:
             self._check(rc)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from bisect import bisect_left
 from collections.abc import Callable
+from struct import Struct
 from typing import Any
 
 from qflow import protocol as P
@@ -25,6 +25,7 @@ from qflow.accounting import (
     OP_ENQUEUE,
     OP_TRANSFER,
     OP_TRANSFER1,
+    OP_WORDS,
     Accounting,
     AccountingError,
     load_accounting,
@@ -76,7 +77,7 @@ class Broker:
         }
         self.sessions: dict[int, BrokerSession] = {}
         self._next_session_slot = 0
-        self._log = array("q")
+        self._log = bytearray()  # the op log: OP_WORDS native int64s per op, packed by _op
         self._log_entries: list[Entry | None] = []
         self._dirty_queues: dict[Queue, None] = {}
         self._dirty_sessions: dict[BrokerSession, None] = {}
@@ -150,6 +151,8 @@ class Broker:
                         f"message.transfer: queue {q.name!r} is full (policy {policy}, depth {q.count} messages, "
                         f"{q.nbytes} bytes, limits {q.max_count} messages, {q.max_size} bytes)",
                     )
+        if exchange == "":
+            routing_key = queues[0].name  # share the queue's string, not one decoded copy per message
         message = (exchange, routing_key, properties, body)
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
@@ -166,18 +169,18 @@ class Broker:
             if q.consumers or q.browsers:
                 self._dirty_queues[q] = None
             self._log_entries.append(entry)
-            self._log.extend((OP_TRANSFER1, ssn.slot, command_id, q.slot, size))
+            self._log += _op(OP_TRANSFER1, ssn.slot, command_id, q.slot, size)
             if q.ring:
                 self._trim_ring(q)
             return
         log_ = self._log
         entries = self._log_entries
-        log_.extend((OP_TRANSFER, ssn.slot, command_id, 0, 0))
+        log_ += _op(OP_TRANSFER, ssn.slot, command_id, 0, 0)
         entries.append(None)
         for q in queues:
             entries.append(self._enqueue(q, message, size))
-            log_.extend((OP_ENQUEUE, q.slot, size, 0, 0))
-        log_.extend((OP_END, 0, 0, 0, 0))
+            log_ += _op(OP_ENQUEUE, q.slot, size, 0, 0)
+        log_ += _op(OP_END, 0, 0, 0, 0)
         entries.append(None)
         for q in queues:
             if q.ring:
@@ -209,7 +212,7 @@ class Broker:
         q.nbytes -= size
         q.total_dequeues += 1
         q.byte_total_dequeues += size
-        self._log.extend((OP_DEQUEUE, q.slot, size, entry[E_TOKEN], 0))
+        self._log += _op(OP_DEQUEUE, q.slot, size, entry[E_TOKEN], 0)
         self._log_entries.append(None)
 
     def _trim_ring(self, q: Queue) -> None:
@@ -287,8 +290,8 @@ class Broker:
     def _apply(self) -> None:
         if not self._log:
             return
-        log_, entries = self._log, self._log_entries
-        self._log = array("q")
+        log_, entries = memoryview(self._log).cast("q"), self._log_entries
+        self._log = bytearray()
         self._log_entries = []
         try:
             completions, holds, transitions = self.acct.apply(log_)
@@ -696,6 +699,10 @@ class Broker:
 
 
 _NO_COMPLETE = object()
+
+# One op of the accounting's log, packed: a precompiled Struct into a bytearray
+# costs half of array('q').extend with a tuple.
+_op = Struct(f"={OP_WORDS}q").pack
 
 
 def _seq_of(entry: Entry) -> int:

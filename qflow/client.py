@@ -307,13 +307,13 @@ class Session:
 
     # -- frames from the connection ------------------------------------------
     def _completed(self, wire: list[int]) -> None:
-        for _cid, owner in self.commands.completed(wire):
+        for owner, n in self.commands.completed_counts(wire).items():
             if owner is None:
                 continue
             if type(owner) is _Waiter:
                 owner.event.set()
             else:
-                owner._complete_one()
+                owner._complete(n)
 
     def _result(self, cid: int, value: Any) -> None:
         owner = self.commands.incomplete.get(cid)
@@ -478,8 +478,8 @@ class Sender:
         self._space = trio.Event()
         self._unyielded = 0
 
-    def _complete_one(self) -> None:
-        self.incomplete -= 1
+    def _complete(self, n: int) -> None:
+        self.incomplete -= n
         self._space.set()
 
     def _wake(self) -> None:

@@ -113,5 +113,32 @@ class OutgoingCommands:
                     done.append((command_id, owner))
         return done
 
+    def completed_counts(self, wire: list[int]) -> dict[object, int]:
+        """As :meth:`completed`, but only how many commands of each owner
+        became complete: a sender needs the count, not the ids, and a report
+        covers hundreds of its transfers."""
+        counts: dict[object, int] = {}
+        incomplete = self.incomplete
+        pop = incomplete.pop
+        owner = last_owner = _MISSING
+        n = 0
+        for i in range(0, len(wire) - 1, 2):
+            first, last = wire[i], wire[i + 1]
+            if last - first > len(incomplete):
+                ids = [c for c in incomplete if first <= c <= last]
+            else:
+                ids = range(first, last + 1)
+            for command_id in ids:
+                owner = pop(command_id, _MISSING)
+                if owner is last_owner:
+                    n += 1
+                elif owner is not _MISSING:
+                    if n:
+                        counts[last_owner] = counts.get(last_owner, 0) + n
+                    last_owner, n = owner, 1
+        if n:
+            counts[last_owner] = counts.get(last_owner, 0) + n
+        return counts
+
 
 _MISSING = object()

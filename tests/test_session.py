@@ -268,3 +268,14 @@ def test_reports_reach_the_client(data: st.DataObject, n: int) -> None:
     assert broker.all_complete
     assert client.incomplete == {}
     assert list(known) == list(range(n))
+
+
+def test_completed_counts_groups_by_owner_and_skips_unknown_ids() -> None:
+    out = OutgoingCommands()
+    a, b = object(), object()
+    for owner in (a, a, b, a, None, b):
+        out.send(owner)
+    assert out.completed_counts([0, 3, 5, 5, 7, 9]) == {a: 3, b: 2}
+    assert list(out.incomplete) == [4]
+    assert out.completed_counts([0, 5]) == {None: 1}
+    assert out.incomplete == {}
