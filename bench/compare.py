@@ -771,9 +771,10 @@ class QflowSide:
     name = "qflow"
 
     def __init__(self) -> None:
-        from run import start_broker  # bench/run.py: the same broker start as `make bench`
+        from qflow import daemon as qflowd
 
-        self.proc, self.port = start_broker()
+        self.daemon = qflowd.start("--log-level", "warning")  # as `make bench` starts it
+        self.proc, self.port = self.daemon.proc, self.daemon.port
         self.pid = self.proc.pid
 
     def _admin(self, fn) -> object:
@@ -812,13 +813,7 @@ class QflowSide:
                 "left": sum(s.get("msgDepth", 0) for s in stats.values())}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.daemon.stop()
 
 
 class RabbitSide:

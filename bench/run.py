@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import qflow  # noqa: E402
+from qflow import daemon as qflowd  # noqa: E402
 
 
 def spin_loop() -> float:
@@ -36,14 +37,8 @@ def spin_loop() -> float:
 
 
 def start_broker(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", "--log-level", "warning",
-                             *args], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    line = proc.stdout.readline()
-    if not line.startswith("qflowd ready"):
-        proc.kill()
-        raise SystemExit(f"qflowd did not start: {line!r}")
-    port = int(dict(f.split("=") for f in line.split()[2:])["port"])
-    return proc, port
+    d = qflowd.start("--log-level", "warning", *args, env=env)
+    return d.proc, d.port
 
 
 def rss_peak_bytes(pid: int) -> int:

@@ -4,8 +4,6 @@ real ``qflowd`` subprocess for the tests that need one."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -15,6 +13,8 @@ import trio
 
 import qflow
 from qflow.broker import Broker
+from qflow.daemon import Daemon
+from qflow.daemon import start as start_daemon
 from qflow.flow import FlowDefaults
 from qflow.server import Server
 
@@ -62,46 +62,11 @@ async def ssn(conn: qflow.client.Connection) -> qflow.client.Session:
     return await conn.session()
 
 
-@dataclass
-class Daemon:
-    proc: subprocess.Popen
-    port: int
-    mgmt_port: int
-    log_path: str  # the daemon's stderr: a file, so no pipe can fill and block it
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.proc.stdout.close()
-        os.unlink(self.log_path)
-
-
 def start_qflowd(*args: str) -> Daemon:
-    """Start ``qflowd`` as a subprocess on free ports and wait for its ready line."""
+    """Start ``qflowd`` as a subprocess on free ports; its log goes to a temp file."""
     fd, log_path = tempfile.mkstemp(prefix="qflowd-", suffix=".log")
-    with os.fdopen(fd, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ},
-        )
-    line = proc.stdout.readline()
-    if not line.startswith("qflowd ready"):
-        proc.kill()
-        proc.wait()
-        with open(log_path) as f:
-            raise RuntimeError(f"qflowd did not start: {line!r} {f.read()}")
-    fields = dict(item.split("=") for item in line.split()[2:])
-    return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log_path)
+    os.close(fd)
+    return start_daemon(*args, log=log_path)
 
 
 @pytest.fixture

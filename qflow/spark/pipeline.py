@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import random
-import select
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +35,7 @@ from typing import Any
 import trio
 
 import qflow
+from qflow import daemon as qflowd
 from qflow.spark.datasource import parse_broker
 
 EPOCH_MS = 1_790_000_000_000  # event time of the first order (simulated, so windows close quickly)
@@ -89,38 +88,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # -- the broker -------------------------------------------------------------------
-class Broker:
-    """A qflowd subprocess on free loopback ports, stopped by PID."""
-
-    def __init__(self, timeout: float = 30) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "qflow.cli.qflowd", "--host", "127.0.0.1", "--port", "0",
-                                      "--log-level", "warning"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        deadline = time.monotonic() + timeout
-        line = ""
-        while time.monotonic() < deadline and not line:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline()
-                break
-            if self.proc.poll() is not None:
-                break
-        if not line.startswith("qflowd ready"):
-            self.stop()
-            raise RuntimeError(f"qflowd did not start: {line!r}")
-        fields = dict(item.split("=") for item in line.split()[2:])
-        self.address = f"127.0.0.1:{fields['port']}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
 def on_broker(broker: str, fn: Any, *args: Any, timeout: float = 30) -> Any:
     host, port = parse_broker(broker)
 
@@ -446,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_broker(args.broker)
             broker = args.broker
         else:
-            daemon = Broker()
+            daemon = qflowd.start("--log-level", "warning")
             broker = daemon.address
         return 0 if run(args, broker) else 1
     except KeyboardInterrupt:
