@@ -42,6 +42,15 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
     return host, port
 
 
+def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int) -> tuple[str, int]:
+    """``parse_address``, or the usage error (exit 2) that names the bad address."""
+    try:
+        return parse_address(text, default_port)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+        raise  # parser.error exits; this keeps type checkers content
+
+
 def non_negative(text: str) -> int:
     try:
         value = int(text)

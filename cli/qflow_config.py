@@ -31,9 +31,9 @@ from ._common import (
     DEFAULT_MGMT,
     Management,
     ToolError,
+    broker_address,
     name_path,
     non_negative,
-    parse_address,
     positive_float,
     table,
 )
@@ -245,10 +245,7 @@ def list_exchanges(api: Management, text: str, recursive: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    try:
-        host, port = parse_address(args.broker, 8672)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
+    host, port = broker_address(parser, args.broker, 8672)
     api = Management(host, port, args.timeout)
     try:
         run(args, parser, api)

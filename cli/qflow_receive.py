@@ -23,9 +23,9 @@ import qflow
 from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
+    broker_address,
     fail,
     non_negative,
-    parse_address,
     positive,
     positive_float,
     progress_bar,
@@ -102,10 +102,7 @@ async def receive(args: argparse.Namespace, host: str, port: int) -> tuple[int, 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        host, port = parse_address(args.broker, 5672)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
+    host, port = broker_address(parser, args.broker, 5672)
     try:
         received, nbytes, seconds = trio.run(receive, args, host, port)
     except qflow.QflowError as exc:

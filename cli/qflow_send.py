@@ -29,9 +29,9 @@ import qflow
 from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
+    broker_address,
     fail,
     non_negative,
-    parse_address,
     positive,
     positive_float,
     progress_bar,
@@ -115,10 +115,7 @@ async def send(args: argparse.Namespace, host: str, port: int) -> tuple[int, int
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        host, port = parse_address(args.broker, 5672)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
+    host, port = broker_address(parser, args.broker, 5672)
     # The client warns through logging while flow control holds the sender: show it.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"{PROG}: %(message)s")
     try:

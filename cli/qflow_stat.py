@@ -19,8 +19,8 @@ from ._common import (
     DEFAULT_MGMT,
     Management,
     ToolError,
+    broker_address,
     duration,
-    parse_address,
     positive_float,
     table,
 )
@@ -102,10 +102,7 @@ VIEWS = {"general": general_view, "queues": queues_view, "connections": connecti
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        host, port = parse_address(args.broker, 8672)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
+    host, port = broker_address(parser, args.broker, 8672)
     view = VIEWS[args.view or "general"]
     api = Management(host, port, args.timeout)
     in_place = sys.stdout.isatty()

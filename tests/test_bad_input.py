@@ -326,6 +326,18 @@ async def test_frame_that_is_not_a_qflow_frame(daemon, healthy, data, what):
     await healthy.check()
 
 
+async def expect_command_invalid(daemon, healthy, frame, fragment) -> None:
+    """Send ``frame`` on an attached connection: it is closed with 503 naming ``fragment``."""
+    with trio.fail_after(TIMEOUT):
+        raw = await Raw.attached(daemon.port)
+        await raw.send(pack(frame))
+        close = await raw.closed()
+        await raw.aclose()
+        assert close[1] == P.COMMAND_INVALID, close
+        assert fragment in close[2]
+    await healthy.check()
+
+
 @pytest.mark.parametrize("frame, fragment", [
     ([25], "unknown frame code 25"),
     ([9, 0], "unknown frame code 9"),
@@ -335,14 +347,7 @@ async def test_frame_that_is_not_a_qflow_frame(daemon, healthy, data, what):
     ([P.ATTACH, "zero", "x"], "session.attach"),
 ])
 async def test_bad_control_frame(daemon, healthy, frame, fragment):
-    with trio.fail_after(TIMEOUT):
-        raw = await Raw.attached(daemon.port)
-        await raw.send(pack(frame))
-        close = await raw.closed()
-        await raw.aclose()
-        assert close[1] == P.COMMAND_INVALID, close
-        assert fragment in close[2]
-    await healthy.check()
+    await expect_command_invalid(daemon, healthy, frame, fragment)
 
 
 @pytest.mark.parametrize("frame, fragment", [
@@ -357,14 +362,7 @@ async def test_bad_control_frame(daemon, healthy, frame, fragment):
     ([P.DETACH, [0]], "session.detach"),
 ])
 async def test_command_on_unattached_channel(daemon, healthy, frame, fragment):
-    with trio.fail_after(TIMEOUT):
-        raw = await Raw.attached(daemon.port)
-        await raw.send(pack(frame))
-        close = await raw.closed()
-        await raw.aclose()
-        assert close[1] == P.COMMAND_INVALID, close
-        assert fragment in close[2]
-    await healthy.check()
+    await expect_command_invalid(daemon, healthy, frame, fragment)
 
 
 @pytest.mark.parametrize("options, fragment", [
