@@ -15,8 +15,11 @@ import logging
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from functools import partial
 from struct import Struct
 from typing import Any
+
+import msgpack
 
 from qflow import protocol as P
 from qflow.accounting import (
@@ -33,7 +36,16 @@ from qflow.accounting import (
 from qflow.exchange import EXCHANGE_TYPES, Exchange
 from qflow.flow import FlowDefaults, SettingsError, describe_transition, resolve
 from qflow.protocol import CommandError
-from qflow.queue import E_REDELIVERED, E_SEQ, E_SIZE, E_TOKEN, Consumer, Entry, Queue
+from qflow.queue import (
+    ENTRY_HEAD,
+    REDELIVERED_NO,
+    Consumer,
+    Entry,
+    Queue,
+    redelivered,
+    seq_and_size,
+    seq_of,
+)
 from qflow.ranges import RangeSet
 from qflow.session import IncomingCommands
 
@@ -44,10 +56,17 @@ MAX_NAME = 255
 
 class BrokerSession:
     """A session's broker-side state. ``conn`` is anything with ``encoder``
-    (a FrameEncoder) and ``wake()``."""
+    (a FrameEncoder) and ``wake()``.
 
-    __slots__ = ("conn", "channel", "name", "slot", "commands", "next_delivery", "unacked", "consumers",
-                 "capacity", "closed", "held_since", "last_queues")
+    Deliveries awaiting accept are kept in delivery-id order in two parallel
+    lists (the entry, and its queue), ``unacked[did - unacked_base]``, with
+    None where a delivery was accepted, released or needs no accept. Ids are
+    consecutive per session, so an accept of a range is a walk over a slice.
+    """
+
+    __slots__ = ("conn", "channel", "name", "slot", "commands", "next_delivery", "unacked", "unacked_queues",
+                 "unacked_base", "unacked_count", "consumers", "capacity", "closed", "held_since", "last_queues",
+                 "transfer_head")
 
     def __init__(self, conn: Any, channel: int, name: str, slot: int) -> None:
         self.conn = conn
@@ -56,12 +75,57 @@ class BrokerSession:
         self.slot = slot  # the accounting's session number, never reused
         self.commands = IncomingCommands()
         self.next_delivery = 0
-        self.unacked: dict[int, tuple[Queue, Entry]] = {}
+        self.unacked: list[Entry | None] = []
+        self.unacked_queues: list[Queue | None] = []
+        self.unacked_base = 0  # the delivery id of unacked[0]
+        self.unacked_count = 0  # entries in unacked that are not None
         self.consumers: dict[str, Consumer] = {}
         self.capacity = 0  # announced by the client's senders
         self.closed = False
         self.last_queues: Any = None  # the destinations of its last transfer
         self.held_since: dict[str, float] = {}  # queue name -> wall time it began holding us (management view)
+        # How this session's transfers begin on the wire when encoded as msgpack-python
+        # does: [30, channel, ...]. The rest of such a frame is stored as it came.
+        self.transfer_head = b"\x96" + msgpack.packb(P.TRANSFER) + msgpack.packb(channel)
+
+    def take_unacked(self, first: int, last: int) -> list[tuple[Queue, Entry]]:
+        """Remove and return the deliveries awaiting accept with ids in [first, last]."""
+        base = self.unacked_base
+        entries, queues = self.unacked, self.unacked_queues
+        lo = max(first, base) - base
+        hi = min(last - base + 1, len(entries))
+        taken = []
+        for i in range(lo, hi):
+            e = entries[i]
+            if e is not None:
+                taken.append((queues[i], e))
+                entries[i] = queues[i] = None
+        if taken:
+            self.unacked_count -= len(taken)
+            self._trim()
+        return taken
+
+    def take_all_unacked(self) -> list[tuple[Queue, Entry]]:
+        taken = [(q, e) for q, e in zip(self.unacked_queues, self.unacked, strict=True) if e is not None]
+        self.unacked.clear()
+        self.unacked_queues.clear()
+        self.unacked_count = 0
+        return taken
+
+    def _trim(self) -> None:
+        entries = self.unacked
+        if not self.unacked_count:
+            self.unacked_base += len(entries)
+            entries.clear()
+            self.unacked_queues.clear()
+            return
+        i = 0
+        while entries[i] is None:
+            i += 1
+        if i:
+            del entries[:i]
+            del self.unacked_queues[:i]
+            self.unacked_base += i
 
 
 class Broker:
@@ -99,12 +163,10 @@ class Broker:
             return
         ssn.closed = True
         self._apply()
-        for _did, (q, e) in sorted(ssn.unacked.items(), key=lambda item: -item[1][1][E_SEQ]):
+        for q, e in sorted(ssn.take_all_unacked(), key=lambda item: -seq_of(item[1])):
             if not q.deleted:
-                e[E_REDELIVERED] = True
-                q.put_back(e)
+                q.put_back(redelivered(e))
                 self._dirty_queues[q] = None
-        ssn.unacked.clear()
         for c in list(ssn.consumers.values()):
             self._remove_consumer(c)
         for q in list(self.queues.values()):
@@ -125,7 +187,10 @@ class Broker:
 
     # -- the per-message path -------------------------------------------------
     def transfer(self, ssn: BrokerSession, command_id: int, exchange: str, routing_key: str,
-                 properties: dict | None, body: bytes) -> None:
+                 properties: dict | None, body: bytes, tail: bytes | None = None) -> None:
+        """Route and enqueue one message. ``tail`` is the message's encoding as
+        it arrived (exchange, routing key, properties, body), if the connection
+        had it at hand; otherwise it is encoded here."""
         if exchange == "":
             q = self.queues.get(routing_key)
             queues = q.route if q is not None else ()
@@ -144,16 +209,15 @@ class Broker:
         for q in queues:
             if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
                 policy = q.settings.policy
-                if policy == "reject" or (policy == "ring-strict" and q.oldest_is_acquired()):
+                if policy == "reject" or (policy == "ring-strict" and self._oldest_is_acquired(q)):
                     q.discards_overflow += 1
                     raise CommandError(
                         P.RESOURCE_LIMIT_EXCEEDED,
                         f"message.transfer: queue {q.name!r} is full (policy {policy}, depth {q.count} messages, "
                         f"{q.nbytes} bytes, limits {q.max_count} messages, {q.max_size} bytes)",
                     )
-        if exchange == "":
-            routing_key = queues[0].name  # share the queue's string, not one decoded copy per message
-        message = (exchange, routing_key, properties, body)
+        if tail is None:
+            tail = _encode_tail(exchange, routing_key, properties, body)
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
         if len(queues) == 1:
@@ -161,14 +225,13 @@ class Broker:
             # and a method call here costs a tenth of the whole enqueue.
             q = queues[0]
             seq = q.next_seq
-            entry = [message, size, -1, False, seq]
             q.next_seq = seq + 1
-            q.entries.append(entry)
+            q.entries.append(_entry_head(REDELIVERED_NO, 0xCF, seq, 0xCF, size) + tail)
             q.count += 1
             q.nbytes += size
             if q.consumers or q.browsers:
                 self._dirty_queues[q] = None
-            self._log_entries.append(entry)
+            self._log_entries.append(seq)
             self._log += _op(OP_TRANSFER1, ssn.slot, command_id, q.slot, size)
             if q.ring:
                 self._trim_ring(q)
@@ -178,7 +241,7 @@ class Broker:
         log_ += _op(OP_TRANSFER, ssn.slot, command_id, 0, 0)
         entries.append(None)
         for q in queues:
-            entries.append(self._enqueue(q, message, size))
+            entries.append(self._enqueue(q, tail, size))
             log_ += _op(OP_ENQUEUE, q.slot, size, 0, 0)
         log_ += _op(OP_END, 0, 0, 0, 0)
         entries.append(None)
@@ -195,24 +258,25 @@ class Broker:
                 q.writers[ssn] = ssn.capacity
                 self._check_worst_case(q)
 
-    def _enqueue(self, q: Queue, message: tuple, size: int) -> Entry:
+    def _enqueue(self, q: Queue, tail: bytes, size: int) -> int:
+        """Append one message; returns its sequence number."""
         seq = q.next_seq
-        entry = [message, size, -1, False, seq]
         q.next_seq = seq + 1
-        q.entries.append(entry)
+        q.entries.append(_entry_head(REDELIVERED_NO, 0xCF, seq, 0xCF, size) + tail)
         q.count += 1
         q.nbytes += size
         if q.consumers or q.browsers:
             self._dirty_queues[q] = None
-        return entry
+        return seq
 
     def _dequeue(self, q: Queue, entry: Entry) -> None:
-        size = entry[E_SIZE]
+        seq, size = seq_and_size(entry)
+        token = q.tokens.pop(seq, -1) if q.tokens else -1
         q.count -= 1
         q.nbytes -= size
         q.total_dequeues += 1
         q.byte_total_dequeues += size
-        self._log += _op(OP_DEQUEUE, q.slot, size, entry[E_TOKEN], 0)
+        self._log += _op(OP_DEQUEUE, q.slot, size, token, 0)
         self._log_entries.append(None)
 
     def _trim_ring(self, q: Queue) -> None:
@@ -222,15 +286,32 @@ class Broker:
             self._dequeue(q, entries.popleft())
             q.discards_ring += 1
 
+    def _oldest_is_acquired(self, q: Queue) -> bool:
+        """Is the queue's oldest message delivered and awaiting accept? (ring-strict;
+        a rare path: only when a ring-strict queue is full)"""
+        oldest = None
+        for ssn in self.sessions.values():
+            for qq, e in zip(ssn.unacked_queues, ssn.unacked, strict=True):
+                if qq is q and e is not None:
+                    seq = seq_of(e)
+                    oldest = seq if oldest is None else min(oldest, seq)
+                    break  # a session's deliveries from one queue come in queue order
+        if oldest is None:
+            return False
+        return not q.entries or oldest < seq_of(q.entries[0])
+
     # -- delivery -------------------------------------------------------------
     def _dispatch(self, q: Queue) -> None:
         for c in q.browsers:
             self._browse(c, q)
         entries = q.entries
         consumers = q.consumers
-        while entries and consumers:
+        if len(consumers) == 1:
+            self._deliver(consumers[0], q, -1)
+            return
+        while entries and consumers:  # round robin, one message at a time
             n = len(consumers)
-            size = entries[0][E_SIZE]
+            size = seq_and_size(entries[0])[1]
             for _ in range(n):
                 c = consumers[q.next_consumer % n]
                 q.next_consumer += 1
@@ -238,53 +319,86 @@ class Broker:
                     break
             else:
                 return
-            self._deliver(c, q, entries.popleft())
+            self._deliver(c, q, 1)
 
     def _browse(self, c: Consumer, q: Queue) -> None:
         """Deliver copies of the entries from the browser's cursor on, as credit allows."""
         entries = q.entries
-        if not entries or entries[-1][E_SEQ] < c.cursor or c.credit == 0:
+        if not entries or seq_of(entries[-1]) < c.cursor or c.credit == 0:
             return
-        i = bisect_left(entries, c.cursor, key=_seq_of)
+        i = bisect_left(entries, c.cursor, key=seq_of)
         n = len(entries)
         ssn = c.session
-        write = ssn.conn.encoder.write
+        out = ssn.conn.encoder.raw()
+        untracked = bool(ssn.unacked)
         while i < n and c.credit != 0:
             e = entries[i]
+            seq, size = seq_and_size(e)
             if c.byte_credit >= 0:
-                if c.byte_credit < e[E_SIZE]:
+                if c.byte_credit < size:
                     break
-                c.byte_credit -= e[E_SIZE]
+                c.byte_credit -= size
             if c.credit > 0:
                 c.credit -= 1
             did = ssn.next_delivery
             ssn.next_delivery = did + 1
-            exchange, routing_key, properties, body = e[0]
-            write((P.DELIVER, ssn.channel, c.destination, did, e[E_REDELIVERED], exchange, routing_key, properties,
-                   body, e[E_SEQ]))
-            c.cursor = e[E_SEQ] + 1
+            out += c.head(0xCF, did)
+            out += e
+            if untracked:
+                ssn.unacked.append(None)
+                ssn.unacked_queues.append(None)
+            c.cursor = seq + 1
             i += 1
         self._dirty_sessions[ssn] = None
 
-    def _deliver(self, c: Consumer, q: Queue, e: Entry) -> None:
+    def _deliver(self, c: Consumer, q: Queue, limit: int) -> None:
+        """Deliver from the head of ``q`` to ``c`` while it has credit, at most
+        ``limit`` messages (-1: no limit). The per-message path: the frame is
+        the consumer's head, the delivery id and the stored entry, copied."""
+        entries = q.entries
+        credit = c.credit
+        if not entries or credit == 0:
+            return
         ssn = c.session
-        did = ssn.next_delivery
-        ssn.next_delivery = did + 1
-        exchange, routing_key, properties, body = e[0]
-        ssn.conn.encoder.write(
-            (P.DELIVER, ssn.channel, c.destination, did, e[E_REDELIVERED], exchange, routing_key, properties, body,
-             e[E_SEQ])
-        )
-        if c.credit > 0:
-            c.credit -= 1
-        if c.byte_credit > 0:
-            c.byte_credit -= e[E_SIZE]
-        if c.accept_mode == P.ACCEPT_EXPLICIT:
-            ssn.unacked[did] = (q, e)
-            q.acquired[e[E_SEQ]] = e
-        else:
-            self._dequeue(q, e)
-        self._dirty_sessions[ssn] = None
+        out = ssn.conn.encoder.raw()
+        head = c.head
+        did = first_did = ssn.next_delivery
+        byte_credit = c.byte_credit
+        explicit = c.accept_mode == P.ACCEPT_EXPLICIT
+        unacked, unacked_queues = ssn.unacked, ssn.unacked_queues
+        if explicit and not unacked:
+            ssn.unacked_base = did
+        untracked = not explicit and bool(unacked)  # keep unacked's index = delivery id - base
+        popleft = entries.popleft
+        while entries and credit != 0 and limit != 0:
+            e = entries[0]
+            if byte_credit >= 0:
+                size = seq_and_size(e)[1]
+                if byte_credit < size:
+                    break
+                byte_credit -= size
+            popleft()
+            out += head(0xCF, did)
+            out += e
+            did += 1
+            limit -= 1
+            if credit > 0:
+                credit -= 1
+            if explicit:
+                unacked.append(e)
+                unacked_queues.append(q)
+            else:
+                if untracked:
+                    unacked.append(None)
+                    unacked_queues.append(None)
+                self._dequeue(q, e)
+        c.credit = credit
+        c.byte_credit = byte_credit
+        if did != first_did:
+            ssn.next_delivery = did
+            if explicit:
+                ssn.unacked_count += did - first_did
+            self._dirty_sessions[ssn] = None
 
     # -- the end of a batch ---------------------------------------------------
     def _apply(self) -> None:
@@ -299,9 +413,9 @@ class Broker:
             log.exception("accounting refused an op: this is a broker bug")
             return
         for op_index, token, session_slot, queue_slot in holds:
-            entries[op_index][E_TOKEN] = token  # type: ignore[index]
-            ssn = self.sessions.get(session_slot)
             q = self._queue_by_slot[queue_slot]
+            q.tokens[entries[op_index]] = token  # type: ignore[index]
+            ssn = self.sessions.get(session_slot)
             if ssn is not None and ssn not in q.held_sessions:
                 q.held_sessions.add(ssn)
                 ssn.held_since[q.name] = time.time()
@@ -461,7 +575,7 @@ class Broker:
         q = self._queue("queue.remove-through", name)
         entries = q.entries
         n = 0
-        while entries and entries[0][E_SEQ] <= sequence:
+        while entries and seq_of(entries[0]) <= sequence:
             self._dequeue(q, entries.popleft())
             n += 1
         return n
@@ -599,6 +713,10 @@ class Broker:
         if q.exclusive and q.owner is not ssn:
             raise CommandError(P.RESOURCE_LOCKED, f"message.subscribe: queue {queue!r} is exclusive to another session")
         c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
+        # message.deliver's fields up to the delivery id: [18, channel, destination, 0xCF + u64 delivery id]
+        head = b"\x9b" + msgpack.packb(P.DELIVER) + msgpack.packb(ssn.channel) + msgpack.packb(destination)
+        c.head = Struct(f">{len(head)}sBQ").pack
+        c.head = partial(c.head, head)
         ssn.consumers[destination] = c
         if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
             c.cursor = start_sequence
@@ -628,38 +746,18 @@ class Broker:
             raise CommandError(P.INVALID_ARGUMENT, f"{command}: {exc}") from None
 
     def _h_accept(self, ssn, cid, transfers):
-        unacked = ssn.unacked
-        ids = self._ids("message.accept", transfers)
-        for first, last in ids.ranges():
-            if last - first > len(unacked):
-                todo = [d for d in unacked if first <= d <= last]
-            else:
-                todo = range(first, last + 1)
-            for did in todo:
-                item = unacked.pop(did, None)
-                if item is not None:
-                    q, e = item
-                    if not q.deleted:
-                        del q.acquired[e[E_SEQ]]
-                        self._dequeue(q, e)
+        for first, last in self._ids("message.accept", transfers).ranges():
+            for q, e in ssn.take_unacked(first, last):
+                if not q.deleted:
+                    self._dequeue(q, e)
 
     def _h_release(self, ssn, cid, transfers):
-        unacked = ssn.unacked
         released = []
         for first, last in self._ids("message.release", transfers).ranges():
-            # As accept: never loop over a range wider than the unaccepted ids (a client may send [0, 2**62]).
-            if last - first > len(unacked):
-                todo = [d for d in unacked if first <= d <= last]
-            else:
-                todo = range(first, last + 1)
-            for did in todo:
-                item = unacked.pop(did, None)
-                if item is not None:
-                    released.append(item)
-        for q, e in sorted(released, key=lambda item: -item[1][E_SEQ]):
+            released += ssn.take_unacked(first, last)
+        for q, e in sorted(released, key=lambda item: -seq_of(item[1])):
             if not q.deleted:
-                e[E_REDELIVERED] = True
-                q.put_back(e)
+                q.put_back(redelivered(e))
                 self._dirty_queues[q] = None
 
     def _h_cancel(self, ssn, cid, destination):
@@ -703,7 +801,17 @@ _NO_COMPLETE = object()
 # One op of the accounting's log, packed: a precompiled Struct into a bytearray
 # costs half of array('q').extend with a tuple.
 _op = Struct(f"={OP_WORDS}q").pack
+_entry_head = ENTRY_HEAD.pack
+_packer = msgpack.Packer(use_bin_type=True, autoreset=False)
 
 
-def _seq_of(entry: Entry) -> int:
-    return entry[E_SEQ]  # a handler's answer meaning "the command completes later"
+def _encode_tail(exchange: str, routing_key: str, properties: dict | None, body: bytes) -> bytes:
+    """A message's encoding as stored after an entry's head (see qflow.queue)."""
+    pack = _packer.pack
+    pack(exchange)
+    pack(routing_key)
+    pack(properties)
+    pack(body)
+    tail = _packer.bytes()
+    _packer.reset()
+    return tail

@@ -24,6 +24,7 @@ import trio
 
 from qflow import protocol as P
 from qflow.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError
+from qflow.protocol import DELIVER
 from qflow.ranges import RangeSet
 from qflow.session import OutgoingCommands
 
@@ -254,8 +255,21 @@ class Connection:
                 if not data:
                     raise ConnectionClosed(P.CONNECTION_FORCED, "connection closed by the broker")
                 self.decoder.feed(data)
+                receiver = None  # the last receiver given deliveries: woken once per batch
                 for frame in self.decoder.frames():
-                    self._handle(frame)
+                    if frame[0] == DELIVER and len(frame) == 11:
+                        ssn = self.sessions.get(frame[1])
+                        r = ssn.receivers.get(frame[2]) if ssn is not None else None
+                        if r is not None:
+                            r._buffer.append(frame)
+                            if r is not receiver:
+                                if receiver is not None:
+                                    receiver._event.set()
+                                receiver = r
+                    else:
+                        self._handle(frame)
+                if receiver is not None:
+                    receiver._event.set()
         except ConnectionClosed as exc:
             self._shutdown(exc)
         except FramingError as exc:
@@ -265,9 +279,7 @@ class Connection:
 
     def _handle(self, frame: list[Any]) -> None:
         code = frame[0]
-        if code == P.DELIVER:
-            self.sessions[frame[1]]._deliver(frame)
-        elif code == P.COMPLETED:
+        if code == P.COMPLETED:
             self.sessions[frame[1]]._completed(frame[2])
         elif code == P.RESULT:
             self.sessions[frame[1]]._result(frame[2], frame[3])
@@ -329,11 +341,6 @@ class Session:
             owner.errors.append(err)
         else:
             log.warning("broker refused command %d: %s", cid, err)
-
-    def _deliver(self, frame: list[Any]) -> None:
-        receiver = self.receivers.get(frame[2])
-        if receiver is not None:
-            receiver._deliver(frame)
 
     def _flow_notice(self, queue: str, held: bool) -> None:
         if held:
@@ -574,18 +581,43 @@ class Sender:
 
 
 class ReceivedMessage:
-    __slots__ = ("body", "exchange", "routing_key", "properties", "redelivered", "delivery_id", "sequence",
-                 "_receiver")
+    """A delivered message. Its fields are read from the message.deliver
+    frame when asked for, not copied out of it for every message."""
+
+    __slots__ = ("_frame", "_receiver")
 
     def __init__(self, receiver: Receiver, frame: list[Any]) -> None:
         self._receiver = receiver
-        self.delivery_id = frame[3]
-        self.redelivered = frame[4]
-        self.exchange = frame[5]
-        self.routing_key = frame[6]
-        self.properties = frame[7] or {}
-        self.body: bytes = frame[8]
-        self.sequence: int = frame[9]  # the message's place in its queue
+        self._frame = frame  # [18, ch, destination, delivery_id, redelivered, sequence, size, exchange, key, props, body]
+
+    @property
+    def body(self) -> bytes:
+        return self._frame[10]
+
+    @property
+    def delivery_id(self) -> int:
+        return self._frame[3]
+
+    @property
+    def redelivered(self) -> bool:
+        return self._frame[4]
+
+    @property
+    def sequence(self) -> int:
+        """The message's place in its queue."""
+        return self._frame[5]
+
+    @property
+    def exchange(self) -> str:
+        return self._frame[7]
+
+    @property
+    def routing_key(self) -> str:
+        return self._frame[8]
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        return self._frame[9] or {}
 
     @property
     def message_id(self) -> str | None:
@@ -627,17 +659,15 @@ class Receiver:
         self.capacity = capacity
         self.accept_mode = accept
         self.ack_frequency = ack_frequency or max(1, capacity // 2)
-        self._buffer: deque[ReceivedMessage] = deque()
+        self._buffer: deque[list[Any]] = deque()  # message.deliver frames, the connection's reader appends
         self._event = trio.Event()
         self._fetched = 0  # credit to give back
+        self._credit_batch = max(1, capacity // 2)  # credit goes back in batches this big
         self._to_accept = RangeSet()
+        self._run_first = self._run_last = -2  # delivery ids to accept not yet in _to_accept, a run [first, last]
         self._n_to_accept = 0
         self._interval = 1.0 / rate if rate else 0.0
         self._next_fetch = 0.0
-
-    def _deliver(self, frame: list[Any]) -> None:
-        self._buffer.append(ReceivedMessage(self, frame))
-        self._event.set()
 
     def available(self) -> int:
         return len(self._buffer)
@@ -646,6 +676,27 @@ class Receiver:
         """The next message; raises Empty after ``timeout`` seconds without one."""
         if self._interval:
             self._next_fetch = await _pace(self._next_fetch, self._interval)
+        if not self._buffer:
+            await self._wait_for_message(timeout)
+        frame = self._buffer.popleft()
+        self._fetched += 1
+        if self.accept_mode == "auto":
+            did = frame[3]
+            if did == self._run_last + 1:  # the usual case: ids are consecutive
+                self._run_last = did
+            else:
+                self._close_run()
+                self._run_first = self._run_last = did
+            self._n_to_accept += 1
+            if self._n_to_accept >= self.ack_frequency:
+                self._flush_acks()
+        if self._fetched >= self._credit_batch:
+            self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
+            self._fetched = 0
+            await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
+        return ReceivedMessage(self, frame)
+
+    async def _wait_for_message(self, timeout: float | None) -> None:
         while not self._buffer:
             self.session.check()
             self._flush_acks()
@@ -656,20 +707,14 @@ class Receiver:
                 self.session.check()
                 if not self._event.is_set():
                     raise Empty(f"no message on {self.queue!r} within {timeout} s")
-        msg = self._buffer.popleft()
-        self._fetched += 1
-        if self.accept_mode == "auto":
-            self._to_accept.add(msg.delivery_id)
-            self._n_to_accept += 1
-            if self._n_to_accept >= self.ack_frequency:
-                self._flush_acks()
-        if self._fetched >= max(1, self.capacity // 2):
-            self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
-            self._fetched = 0
-            await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
-        return msg
+
+    def _close_run(self) -> None:
+        if self._run_first >= 0:
+            self._to_accept.add_range(self._run_first, self._run_last)
+        self._run_first = self._run_last = -2
 
     def _flush_acks(self) -> None:
+        self._close_run()
         if self._n_to_accept and self.session.error is None:
             self.session._send_command(P.ACCEPT, self._to_accept.to_wire())
             self._to_accept = RangeSet()

@@ -44,7 +44,7 @@ class FrameDecoder:
     """
 
     __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header",
-                 "_chunks", "_chunks_start", "_fed", "_frame_start", "_probed")
+                 "_chunks", "_chunks_start", "_fed", "_frame_start", "_frame_begin", "_probed")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
         self.max_frame_size = max_frame_size
@@ -59,6 +59,7 @@ class FrameDecoder:
         self._chunks_start = 0  # offset of _chunks[0]
         self._fed = 0  # bytes fed to the unpacker
         self._frame_start = 0  # where the frame being decoded starts
+        self._frame_begin = 0  # where the frame last yielded starts
         self._probed = -1  # stop offset last checked by _cannot_fit
 
     @staticmethod
@@ -131,6 +132,7 @@ class FrameDecoder:
                     end = tell()
                     if end - start > limit:
                         raise FrameTooLarge(f"frame of {end - start} bytes exceeds the maximum frame size {limit}")
+                    self._frame_begin = start
                     start = self._frame_start = end
                     if type(frame) is not list or not frame or type(frame[0]) is not int:
                         raise FramingError(f"frame is not an array starting with a frame code: {_short(frame)}")
@@ -148,6 +150,19 @@ class FrameDecoder:
                 raise FramingError(f"malformed frame: {exc}") from None
             except Exception as exc:  # FormatError, StackError, UnicodeDecodeError...
                 raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+    def frame_tail(self, head: bytes) -> bytes | None:
+        """The encoded bytes of the frame last yielded that follow ``head``, if
+        the frame begins with exactly ``head`` (else None: the sender encoded
+        its start differently). Lets the broker keep a message as it came."""
+        begin, end = self._frame_begin, self._frame_start
+        last = self._chunks[-1]
+        base = self._fed - len(last)
+        if begin >= base:  # the usual case: the frame is in the last chunk fed
+            i = begin - base
+            return last[i + len(head):end - base] if last.startswith(head, i) else None
+        raw = self._bytes(begin, end)
+        return raw[len(head):] if raw.startswith(head) else None
 
     def _check_incomplete(self) -> None:
         """Refuse the incomplete frame if it is already, or must become, too large."""
@@ -241,28 +256,43 @@ class FrameEncoder:
 
     One Packer per connection accumulates every frame in its own buffer
     (``autoreset=False``), so a frame is packed once and copied once, at take.
+    Frames already encoded (the broker's deliveries) go into :meth:`raw`'s
+    buffer; order between the two kinds is kept.
     """
 
-    __slots__ = ("_packer", "write", "_prefix")
+    __slots__ = ("_packer", "write", "_prefix", "_raw")
 
     def __init__(self) -> None:
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=False)
         self.write = self._packer.pack  # write(frame): the per-message path calls it directly
         self._prefix = b""  # raw bytes (the protocol header) that go before the packed frames
+        self._raw = bytearray()  # encoded frames that go before the packer's
 
     def write_header(self) -> None:
         self._prefix = self.take() + PROTOCOL_HEADER
 
-    def take(self) -> bytes:
+    def raw(self) -> bytearray:
+        """The buffer to append whole encoded frames to, after every frame written so far."""
         packer = self._packer
-        data = packer.bytes()
+        if len(packer.getbuffer()):
+            self._raw += packer.bytes()
+            packer.reset()
+        return self._raw
+
+    def take(self) -> bytes | bytearray:
+        packer = self._packer
+        data: bytes | bytearray = packer.bytes()
         packer.reset()
+        if self._raw:
+            raw, self._raw = self._raw, bytearray()
+            raw += data
+            data = raw
         if self._prefix:
             data, self._prefix = self._prefix + data, b""
         return data
 
     def __len__(self) -> int:
-        return len(self._prefix) + len(self._packer.getbuffer())
+        return len(self._prefix) + len(self._raw) + len(self._packer.getbuffer())
 
 
 def _short(obj: Any) -> str:

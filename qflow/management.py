@@ -491,7 +491,7 @@ class ManagementApi:
         return {
             "channel": ssn.channel, "name": ssn.name, "senderCapacity": ssn.capacity,
             "incompleteCommands": incomplete, "heldTransfers": held,
-            "unackedDeliveries": len(ssn.unacked), "consumers": sorted(ssn.consumers),
+            "unackedDeliveries": ssn.unacked_count, "consumers": sorted(ssn.consumers),
             "flowStopped": bool(held_by), "heldBy": held_by,
         }
 

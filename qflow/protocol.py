@@ -27,7 +27,7 @@ COMPLETED = 14  # [14, ch, ranges]: newly completed command ids
 FLUSH = 15  # [15, ch]: ask for an immediate completion report
 RESULT = 16  # [16, ch, command_id, value]
 EXCEPTION = 17  # [17, ch, command_id, code, text]
-DELIVER = 18  # [18, ch, destination, delivery_id, redelivered, exchange, routing_key, props, body, sequence]
+DELIVER = 18  # [18, ch, destination, delivery_id, redelivered, sequence, size, exchange, routing_key, props, body]
 FLOW_NOTICE = 19  # [19, ch, queue, held]: this session's transfers are (no longer) held by QUEUE
 
 # -- commands: each consumes one command id -----------------------------------

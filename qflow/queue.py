@@ -10,24 +10,51 @@ its own counts and decides (``qflow.accounting``).
 from __future__ import annotations
 
 from collections import deque
+from struct import Struct
 from typing import Any
+
+import msgpack
 
 from qflow.flow import QueueSettings
 
-# A message is a tuple (exchange, routing_key, properties, body), shared by
-# every queue a transfer reached. An entry, one message on one queue, is a
-# list [message, size, token, redelivered, seq]: the per-message path creates
-# one of each, and a list or tuple costs a fifth of a slotted instance.
-M_EXCHANGE, M_ROUTING_KEY, M_PROPERTIES, M_BODY = range(4)
-E_MESSAGE, E_SIZE, E_TOKEN, E_REDELIVERED, E_SEQ = range(5)
-# E_TOKEN: the accounting's hold token while the transfer is held here, else -1.
+# An entry, one message on one queue, is one ``bytes`` object: the encoded
+# tail of the message.deliver frame that will carry it, from ``redelivered``
+# on (see docs/protocol.md). Delivering copies it after a per-delivery head;
+# nothing is re-encoded. One untracked object per message costs a third of
+# the memory of a list, a tuple and a body, and the garbage collector never
+# scans it. Its fixed head:
+#
+#   byte 0        0xc2 / 0xc3    redelivered (msgpack false / true)
+#   bytes 1-9     0xcf + u64     sequence number in the queue
+#   bytes 10-18   0xcf + u64     body size
+#   bytes 19-     exchange, routing key, properties, body (msgpack, as sent)
+Entry = bytes
+ENTRY_HEAD = Struct(">BBQBQ")  # pack(REDELIVERED_NO, 0xCF, seq, 0xCF, size)
+ENTRY_HEAD_SIZE = ENTRY_HEAD.size
+REDELIVERED_NO, REDELIVERED_YES = 0xC2, 0xC3
+seq_and_size = Struct(">2xQxQ").unpack_from  # (seq, size) of an entry
+_SEQ = Struct(">2xQ").unpack_from
 
-Message = tuple
-Entry = list
+
+def seq_of(entry: Entry) -> int:
+    return _SEQ(entry)[0]
+
+
+def redelivered(entry: Entry) -> Entry:
+    """The entry marked redelivered (a new object: entries are immutable)."""
+    return entry if entry[0] == REDELIVERED_YES else b"\xc3" + entry[1:]
+
+
+def entry_tail(entry: Entry) -> tuple[Any, ...]:
+    """(exchange, routing_key, properties, body), decoded (management views, tests)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(entry[ENTRY_HEAD_SIZE:])
+    return tuple(unpacker)
 
 
 class Consumer:
-    __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor")
+    __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor",
+                 "head")
 
     def __init__(self, session: Any, destination: str, queue: Queue, accept_mode: int, acquire_mode: int) -> None:
         self.session = session
@@ -38,6 +65,7 @@ class Consumer:
         self.credit = 0  # messages; -1 = unlimited
         self.byte_credit = 0  # bytes; -1 = unlimited
         self.cursor = 0  # a browser's next sequence number to deliver
+        self.head: Any = None  # head(0xCF, delivery_id): its message.deliver frames' first bytes (set by the broker)
 
     def can_take(self, size: int) -> bool:
         return self.credit != 0 and (self.byte_credit < 0 or self.byte_credit >= size)
@@ -46,7 +74,7 @@ class Consumer:
 class Queue:
     __slots__ = (
         "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "slot",
-        "entries", "acquired", "consumers", "next_consumer", "count", "nbytes", "next_seq",
+        "entries", "tokens", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
         "held_sessions", "writers", "route", "worst_warned", "browsers",
@@ -68,7 +96,9 @@ class Queue:
         self.owner = owner
         self.slot = slot  # the accounting's queue slot
         self.entries: deque[Entry] = deque()
-        self.acquired: dict[int, Entry] = {}  # seq -> entry delivered, not yet accepted
+        # seq -> the accounting's hold token, for messages whose transfer is held
+        # here: only while this queue's flow is stopped.
+        self.tokens: dict[int, int] = {}
         self.consumers: list[Consumer] = []  # they acquire: each message goes to one
         self.browsers: list[Consumer] = []  # they see every message and take none
         self.next_consumer = 0
@@ -107,22 +137,16 @@ class Queue:
             self.max_size > 0 and self.nbytes + size > self.max_size
         )
 
-    def oldest_is_acquired(self) -> bool:
-        if not self.acquired:
-            return False
-        return not self.entries or min(self.acquired) < self.entries[0][E_SEQ]
-
     def put_back(self, entry: Entry) -> None:
         """Return an acquired entry to its place in FIFO order (release, session close)."""
-        seq = entry[E_SEQ]
-        del self.acquired[seq]
+        seq = seq_of(entry)
         entries = self.entries
-        if not entries or entries[0][E_SEQ] > seq:
+        if not entries or seq_of(entries[0]) > seq:
             entries.appendleft(entry)
             return
         i = 0
         for i, other in enumerate(entries):  # noqa: B007 - rare path: a release behind newer ones
-            if other[E_SEQ] > seq:
+            if seq_of(other) > seq:
                 break
         else:
             i = len(entries)
@@ -148,6 +172,6 @@ class Queue:
             "maxCount": self.settings.max_count,
             "maxSize": self.settings.max_size,
             "policyType": self.settings.policy,
-            "firstSequence": self.entries[0][E_SEQ] if self.entries else self.next_seq,
+            "firstSequence": seq_of(self.entries[0]) if self.entries else self.next_seq,
             "lastSequence": self.next_seq - 1,
         }

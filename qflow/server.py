@@ -152,7 +152,8 @@ class Connection:
                     exchange, routing_key, props, body = frame[2], frame[3], frame[4], frame[5]
                     if type(body) is not bytes or type(exchange) is not str or type(routing_key) is not str:
                         P.parse_command(frame)
-                    broker.transfer(ssn, cid, exchange, routing_key, props, body)
+                    broker.transfer(ssn, cid, exchange, routing_key, props, body,
+                                    self.decoder.frame_tail(ssn.transfer_head))
                 except CommandError as exc:
                     broker.fail(ssn, cid, exc.code, exc.text)
             elif code >= P.FIRST_COMMAND:
