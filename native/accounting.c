@@ -633,6 +633,27 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
                     }
                 }
             }
+        } else if (op == ACCT_OP_DEQUEUE_N) {
+            struct queue *q = find_queue(st, a);
+            if (!q)
+                FAIL(ACCT_ERR_UNKNOWN_QUEUE, a);
+            int64_t n = w[3];
+            if (n < 0 || (uint64_t)n > q->count || b < 0 || (uint64_t)b > q->nbytes)
+                FAIL(ACCT_ERR_DEQUEUE_UNDERFLOW, a);
+            uint32_t count = q->count - (uint32_t)n;
+            uint64_t nbytes = q->nbytes - (uint64_t)b;
+            if (q->flow_on && under_resume(count, nbytes, q)) {
+                if (reserve_completions(out, q->held))
+                    FAIL(ACCT_ERR_NOMEM, 0);
+                q->count = count;
+                q->nbytes = nbytes;
+                q->flow_on = 0;
+                add_transition(out, a, q);
+                release_all(st, q, out);
+            } else {
+                q->count = count;
+                q->nbytes = nbytes;
+            }
         } else {
             FAIL(ACCT_ERR_UNKNOWN_OP, op);
         }

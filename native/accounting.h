@@ -19,6 +19,7 @@
 #define ACCT_OP_END 3
 #define ACCT_OP_TRANSFER1 4
 #define ACCT_OP_DEQUEUE 5
+#define ACCT_OP_DEQUEUE_N 6
 
 /* Status codes. acct_output.err_op is the failing op's index (-1 when the
  * error is not tied to one op) and err_value the number the message names:

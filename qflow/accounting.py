@@ -38,6 +38,10 @@ Op log: ``OP_WORDS`` int64 words per op, ``(op, a, b, c, d)``:
   one destination, equal to TRANSFER + ENQUEUE + END.
 * ``OP_DEQUEUE (queue, nbytes, token, 0)``: dequeue one message; ``token`` is
   the hold token reported when it was enqueued, or -1 if it was not held.
+* ``OP_DEQUEUE_N (queue, nbytes, count, 0)``: dequeue ``count`` messages of
+  ``nbytes`` in all, none of them held: the same as ``count`` OP_DEQUEUEs with
+  token -1, except that a resume transition it causes reports the depth after
+  all of them (an accept of 500 deliveries is one op, not 500).
 
 ``apply`` returns ``(completions, holds, transitions)``:
 
@@ -67,6 +71,7 @@ OP_ENQUEUE = 2
 OP_END = 3
 OP_TRANSFER1 = 4
 OP_DEQUEUE = 5
+OP_DEQUEUE_N = 6
 
 COUNT_MAX = 0xFFFFFFFF
 SIZE_MAX = 0xFFFFFFFFFFFFFFFF
@@ -316,6 +321,17 @@ class PyAccounting:
                             q.pending[i] = -1
                             q.held -= 1
                             self._unhold(slot, completions)
+            elif op == OP_DEQUEUE_N:
+                q = self._op_queue(index, a)
+                n = log[base + 3]
+                if n < 0 or n > q.count or b < 0 or b > q.nbytes:
+                    raise AccountingError(f"op {index}: dequeue underflows queue {a}")
+                q.count -= n
+                q.nbytes -= b
+                if q.flow_on and q.under_resume():
+                    q.flow_on = False
+                    transitions.append((a, False, q.count, q.nbytes))
+                    self._release_all(q, completions)
             elif op != OP_TRANSFER1:
                 raise AccountingError(f"op {index}: unknown op code {op}")
         if opened:

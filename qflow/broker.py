@@ -24,6 +24,7 @@ import msgpack
 from qflow import protocol as P
 from qflow.accounting import (
     OP_DEQUEUE,
+    OP_DEQUEUE_N,
     OP_END,
     OP_ENQUEUE,
     OP_TRANSFER,
@@ -88,22 +89,25 @@ class BrokerSession:
         # does: [30, channel, ...]. The rest of such a frame is stored as it came.
         self.transfer_head = b"\x96" + msgpack.packb(P.TRANSFER) + msgpack.packb(channel)
 
-    def take_unacked(self, first: int, last: int) -> list[tuple[Queue, Entry]]:
-        """Remove and return the deliveries awaiting accept with ids in [first, last]."""
+    def take_unacked(self, first: int, last: int) -> tuple[list[Queue], list[Entry]]:
+        """Remove the deliveries awaiting accept with ids in [first, last];
+        returns their queues and entries, in delivery order."""
         base = self.unacked_base
         entries, queues = self.unacked, self.unacked_queues
         lo = max(first, base) - base
         hi = min(last - base + 1, len(entries))
-        taken = []
-        for i in range(lo, hi):
-            e = entries[i]
-            if e is not None:
-                taken.append((queues[i], e))
-                entries[i] = queues[i] = None
-        if taken:
-            self.unacked_count -= len(taken)
+        if lo >= hi:
+            return [], []
+        taken_q = queues[lo:hi]
+        taken_e = entries[lo:hi]
+        entries[lo:hi] = queues[lo:hi] = [None] * (hi - lo)
+        if None in taken_e:  # holes: already accepted, released, or needing no accept
+            taken_q = [q for q in taken_q if q is not None]
+            taken_e = [e for e in taken_e if e is not None]
+        if taken_e:
+            self.unacked_count -= len(taken_e)
             self._trim()
-        return taken
+        return taken_q, taken_e
 
     def take_all_unacked(self) -> list[tuple[Queue, Entry]]:
         taken = [(q, e) for q, e in zip(self.unacked_queues, self.unacked, strict=True) if e is not None]
@@ -279,6 +283,26 @@ class Broker:
         self._log += _op(OP_DEQUEUE, q.slot, size, token, 0)
         self._log_entries.append(None)
 
+    def _dequeue_many(self, q: Queue, entries: list[Entry]) -> None:
+        """Dequeue entries of one queue: those whose transfer is held here one by
+        one (their holds are released), the rest in one OP_DEQUEUE_N."""
+        tokens = q.tokens
+        n = nbytes = 0
+        for e in entries:
+            seq, size = seq_and_size(e)
+            if tokens and seq in tokens:
+                self._dequeue(q, e)
+            else:
+                n += 1
+                nbytes += size
+        if n:
+            q.count -= n
+            q.nbytes -= nbytes
+            q.total_dequeues += n
+            q.byte_total_dequeues += nbytes
+            self._log += _op(OP_DEQUEUE_N, q.slot, nbytes, n, 0)
+            self._log_entries.append(None)
+
     def _trim_ring(self, q: Queue) -> None:
         s = q.settings
         entries = q.entries
@@ -369,6 +393,7 @@ class Broker:
         if explicit and not unacked:
             ssn.unacked_base = did
         untracked = not explicit and bool(unacked)  # keep unacked's index = delivery id - base
+        done: list[Entry] = []  # delivered without accept: dequeued at once
         popleft = entries.popleft
         while entries and credit != 0 and limit != 0:
             e = entries[0]
@@ -391,7 +416,9 @@ class Broker:
                 if untracked:
                     unacked.append(None)
                     unacked_queues.append(None)
-                self._dequeue(q, e)
+                done.append(e)
+        if done:
+            self._dequeue_many(q, done)
         c.credit = credit
         c.byte_credit = byte_credit
         if did != first_did:
@@ -584,8 +611,8 @@ class Broker:
         q = self._queue("queue.purge", name)
         self._apply()
         n = len(q.entries)
-        while q.entries:
-            self._dequeue(q, q.entries.popleft())
+        self._dequeue_many(q, list(q.entries))
+        q.entries.clear()
         self._apply()
         return n
 
@@ -747,14 +774,25 @@ class Broker:
 
     def _h_accept(self, ssn, cid, transfers):
         for first, last in self._ids("message.accept", transfers).ranges():
-            for q, e in ssn.take_unacked(first, last):
+            queues, entries = ssn.take_unacked(first, last)
+            if not entries:
+                continue
+            q = queues[0]
+            if queues.count(q) == len(queues):  # the usual case: all from one queue
                 if not q.deleted:
-                    self._dequeue(q, e)
+                    self._dequeue_many(q, entries)
+                continue
+            by_queue: dict[Queue, list[Entry]] = {}
+            for q, e in zip(queues, entries, strict=True):
+                by_queue.setdefault(q, []).append(e)
+            for q, es in by_queue.items():
+                if not q.deleted:
+                    self._dequeue_many(q, es)
 
     def _h_release(self, ssn, cid, transfers):
         released = []
         for first, last in self._ids("message.release", transfers).ranges():
-            released += ssn.take_unacked(first, last)
+            released += zip(*ssn.take_unacked(first, last), strict=True)
         for q, e in sorted(released, key=lambda item: -seq_of(item[1])):
             if not q.deleted:
                 q.put_back(redelivered(e))

@@ -44,7 +44,7 @@ class FrameDecoder:
     """
 
     __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header",
-                 "_chunks", "_chunks_start", "_fed", "_frame_start", "_frame_begin", "_probed")
+                 "_chunks", "_chunks_start", "_fed", "_frame_start", "frame_begin", "frame_end", "_probed")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
         self.max_frame_size = max_frame_size
@@ -59,7 +59,8 @@ class FrameDecoder:
         self._chunks_start = 0  # offset of _chunks[0]
         self._fed = 0  # bytes fed to the unpacker
         self._frame_start = 0  # where the frame being decoded starts
-        self._frame_begin = 0  # where the frame last yielded starts
+        # The frame last yielded spans [frame_begin, frame_end) in this stream (see last_chunk).
+        self.frame_begin = self.frame_end = 0
         self._probed = -1  # stop offset last checked by _cannot_fit
 
     @staticmethod
@@ -132,8 +133,8 @@ class FrameDecoder:
                     end = tell()
                     if end - start > limit:
                         raise FrameTooLarge(f"frame of {end - start} bytes exceeds the maximum frame size {limit}")
-                    self._frame_begin = start
-                    start = self._frame_start = end
+                    self.frame_begin = start
+                    start = self._frame_start = self.frame_end = end
                     if type(frame) is not list or not frame or type(frame[0]) is not int:
                         raise FramingError(f"frame is not an array starting with a frame code: {_short(frame)}")
                     yield frame
@@ -151,13 +152,18 @@ class FrameDecoder:
             except Exception as exc:  # FormatError, StackError, UnicodeDecodeError...
                 raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
 
+    def last_chunk(self) -> tuple[bytes, int]:
+        """The chunk fed last and the stream offset of its first byte: a frame
+        with ``frame_begin`` >= that offset lies wholly in it."""
+        last = self._chunks[-1] if self._chunks else b""
+        return last, self._fed - len(last)
+
     def frame_tail(self, head: bytes) -> bytes | None:
         """The encoded bytes of the frame last yielded that follow ``head``, if
         the frame begins with exactly ``head`` (else None: the sender encoded
         its start differently). Lets the broker keep a message as it came."""
-        begin, end = self._frame_begin, self._frame_start
-        last = self._chunks[-1]
-        base = self._fed - len(last)
+        begin, end = self.frame_begin, self.frame_end
+        last, base = self.last_chunk()
         if begin >= base:  # the usual case: the frame is in the last chunk fed
             i = begin - base
             return last[i + len(head):end - base] if last.startswith(head, i) else None

@@ -139,21 +139,30 @@ class Connection:
     def _handle_frames(self) -> None:
         broker = self.broker
         sessions = self.sessions
-        for frame in self.decoder.frames():
+        decoder = self.decoder
+        last, base = decoder.last_chunk()
+        for frame in decoder.frames():
             code = frame[0]
-            if code == P.TRANSFER:
-                ssn = sessions.get(frame[1]) if len(frame) > 1 and type(frame[1]) is int else None
+            if code == P.TRANSFER and len(frame) == 6:
+                channel = frame[1]
+                ssn = sessions.get(channel) if type(channel) is int else None
                 if ssn is None:
                     self._no_session(frame)
-                cid = ssn.commands.receive()
+                commands = ssn.commands
+                cid = commands.next_id
+                commands.next_id = cid + 1
+                exchange, routing_key, props, body = frame[2], frame[3], frame[4], frame[5]
                 try:
-                    if len(frame) != 6:
-                        P.parse_command(frame)
-                    exchange, routing_key, props, body = frame[2], frame[3], frame[4], frame[5]
                     if type(body) is not bytes or type(exchange) is not str or type(routing_key) is not str:
                         P.parse_command(frame)
-                    broker.transfer(ssn, cid, exchange, routing_key, props, body,
-                                    self.decoder.frame_tail(ssn.transfer_head))
+                    # The message is stored as its transfer encoded it, after [30, channel]:
+                    # checked here byte by byte for the usual head, else by the decoder.
+                    i = decoder.frame_begin - base
+                    if i >= 0 and channel < 128 and last[i + 2] == channel and last[i] == 0x96 and last[i + 1] == 30:
+                        tail = last[i + 3:decoder.frame_end - base]
+                    else:
+                        tail = decoder.frame_tail(ssn.transfer_head)
+                    broker.transfer(ssn, cid, exchange, routing_key, props, body, tail)
                 except CommandError as exc:
                     broker.fail(ssn, cid, exc.code, exc.text)
             elif code >= P.FIRST_COMMAND:
@@ -175,6 +184,7 @@ class Connection:
                 broker._dirty_sessions[ssn] = None
             else:
                 self._control(frame)
+                last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
 
     def _no_session(self, frame: list[Any]) -> None:
         channel = frame[1] if len(frame) > 1 else None

@@ -18,6 +18,7 @@ from qflow._native_accounting import NativeAccounting
 from qflow.accounting import (
     COUNT_MAX,
     OP_DEQUEUE,
+    OP_DEQUEUE_N,
     OP_END,
     OP_ENQUEUE,
     OP_TRANSFER,
@@ -104,6 +105,21 @@ def test_manual_count_example(acc):
     # ... OFF below 500, releasing every held transfer as one range.
     assert drain(acc, q, 1) == ([(1, 900, 999)], [], [(q, False, 499, 0)])
     assert acc.stats(q) == (499, 0, False, 1, 0)
+
+
+def test_manual_count_example_with_bulk_dequeues(acc):
+    # The same rule with the accept of a batch as one op: "it remains ON until the total
+    # number of enqueued messages is less than [resume]" (max 1000, stop 900, resume 500).
+    q = acc.add_queue()
+    acc.set_thresholds(q, 900, 500, 0, 0)
+    acc.apply(oplog(*[t1(1, i, q, 10) for i in range(1000)]))
+    assert acc.stats(q) == (1000, 10_000, True, 1, 100)
+    assert acc.apply(oplog((OP_DEQUEUE_N, q, 4_990, 499))) == ([], [], [])
+    assert acc.stats(q) == (501, 5_010, True, 1, 100)  # not held ones, down to 501: still ON
+    assert acc.apply(oplog((OP_DEQUEUE_N, q, 10, 1))) == ([], [], [])  # 500 is not below 500
+    assert acc.apply(oplog((OP_DEQUEUE_N, q, 100, 10))) == ([(1, 900, 999)], [], [(q, False, 490, 4_900)])
+    assert acc.stats(q) == (490, 4_900, False, 1, 0)
+    assert acc.apply(oplog((OP_DEQUEUE_N, q, 0, 0))) == ([], [], [])  # an empty batch changes nothing
 
 
 def test_manual_combined_example_on_by_count(acc):
@@ -406,7 +422,10 @@ def test_bad_thresholds(acc):
     "ops, message",
     [
         ([(0,)], "op 0: unknown op code 0"),
-        ([(OP_ENQUEUE, 0), (6,)], "op 1: unknown op code 6"),
+        ([(OP_ENQUEUE, 0), (7,)], "op 1: unknown op code 7"),
+        ([(OP_ENQUEUE, 0, 5), (OP_DEQUEUE_N, 0, 5, 2)], "op 1: dequeue underflows queue 0"),
+        ([(OP_ENQUEUE, 0, 5), (OP_DEQUEUE_N, 0, 6, 1)], "op 1: dequeue underflows queue 0"),
+        ([(OP_ENQUEUE, 0, 5), (OP_DEQUEUE_N, 0, 5, -1)], "op 1: dequeue underflows queue 0"),
         ([(-7,)], "op 0: unknown op code -7"),
         ([(OP_END,)], "op 0: end without a transfer"),
         ([(OP_TRANSFER, 1, 0), (OP_TRANSFER, 1, 1)], "op 1: transfer opened inside a transfer"),
@@ -565,6 +584,17 @@ def build_log(model: Model, codes: list[int]):
             if f.take(100) == 99:  # anything, likely an underflow
                 ops.append((OP_DEQUEUE, model.queue(f), f.take(7) - 1, -1))
                 effects.append(None)
+            elif nonempty and f.take(4) == 3:  # a bulk dequeue of messages that are not held
+                queue = f.pick(nonempty)
+                unheld = [m for m in work[queue] if m[1] < 0][:f.take(4)]
+                if f.take(20) == 19:  # rarely, claims more than the queue holds
+                    ops.append((OP_DEQUEUE_N, queue, 0, len(work[queue]) + 1))
+                    effects.append(None)
+                    continue
+                for m in unheld:
+                    work[queue].remove(m)
+                ops.append((OP_DEQUEUE_N, queue, sum(m[0] for m in unheld), len(unheld)))
+                effects.append(("deqn", queue, unheld))
             elif nonempty:
                 queue = f.pick(nonempty)
                 msg = work[queue].pop(f.take(len(work[queue])))
@@ -587,7 +617,13 @@ def drain_log(model: Model, queue: int, f: Fields):
     msgs = list(model.queues.get(queue, []))
     keep = f.take(3) if msgs else 0
     ops, effects = [], []
-    for msg in msgs[keep:]:
+    drained = msgs[keep:]
+    unheld = [m for m in drained if m[1] < 0]
+    if unheld and f.take(2):  # those not held in one bulk op, as the broker's accepts do
+        ops.append((OP_DEQUEUE_N, queue, sum(m[0] for m in unheld), len(unheld)))
+        effects.append(("deqn", queue, unheld))
+        drained = [m for m in drained if m[1] >= 0]
+    for msg in drained:
         token = msg[1] if f.take(4) else -1
         ops.append((OP_DEQUEUE, queue, msg[0], token))
         effects.append(("deq", queue, msg))
@@ -606,6 +642,10 @@ def apply_effects(model: Model, effects, upto: int, holds) -> None:
         if kind == "enq":
             msg[1] = tokens.get(index, -1)
             msgs.append(msg)
+        elif kind == "deqn":
+            for m in msg:
+                if m in msgs:
+                    msgs.remove(m)
         elif msg in msgs:
             msgs.remove(msg)
 

@@ -131,10 +131,11 @@ def test_take_unacked_walks_only_what_is_outstanding() -> None:
     ssn.unacked[:] = [b"a", None, b"c", b"d"]
     ssn.unacked_queues[:] = [q1, None, q2, q1]
     ssn.unacked_count = 3
-    assert ssn.take_unacked(0, 99) == []
-    assert ssn.take_unacked(102, 10**18) == [(q2, b"c"), (q1, b"d")]
+    assert ssn.take_unacked(0, 99) == ([], [])
+    assert ssn.take_unacked(102, 10**18) == ([q2, q1], [b"c", b"d"])
     assert (ssn.unacked, ssn.unacked_base, ssn.unacked_count) == ([b"a", None, None, None], 100, 1)
-    assert ssn.take_unacked(100, 100) == [(q1, b"a")]
+    assert ssn.take_unacked(101, 101) == ([], [])
+    assert ssn.take_unacked(99, 100) == ([q1], [b"a"])
     assert (ssn.unacked, ssn.unacked_base, ssn.unacked_count) == ([], 104, 0)
 
 
