@@ -107,6 +107,22 @@ def one_round(count: int, size: int, batch: int, arguments: dict) -> float:
     return elapsed
 
 
+def measure(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int = 3, flow: bool = False) -> dict:
+    """Median broker microseconds per message, in total and split."""
+    arguments = {"qpid.flow_stop_count": 100_000_000, "qpid.max_size": 0} if flow else NO_FLOW
+    PARTS.clear()
+
+    async def run() -> list[float]:
+        return [one_round(count, size, batch, arguments) for _ in range(rounds)]
+
+    times = trio.run(run)
+    return {
+        "us_per_msg": round(statistics.median(times) / count * 1e6, 2),
+        "transfer_and_deliver_us": round(statistics.median(p[0] for p in PARTS) / count * 1e6, 2),
+        "accept_and_credit_us": round(statistics.median(p[1] for p in PARTS) / count * 1e6, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--count", type=int, default=200_000)
@@ -115,16 +131,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--flow", action="store_true", help="flow thresholds configured, never reached")
     args = parser.parse_args()
-    arguments = {"qpid.flow_stop_count": 100_000_000, "qpid.max_size": 0} if args.flow else NO_FLOW
-
-    async def run() -> list[float]:
-        return [one_round(args.count, args.size, args.batch, arguments) for _ in range(args.rounds)]
-
-    times = trio.run(run)
-    us = statistics.median(times) / args.count * 1e6
-    split = [round(statistics.median(p[i] for p in PARTS) / args.count * 1e6, 2) for i in (0, 1)]
-    print(f"broker core: {us:.2f} us/msg ({1e6 / us:,.0f} msg/s of broker CPU), rounds {[round(t, 3) for t in times]}; "
-          f"us/msg in transfers+deliveries, accepts+credit: {split}")
+    r = measure(args.count, args.size, args.batch, args.rounds, args.flow)
+    print(f"broker core: {r['us_per_msg']:.2f} us/msg ({1e6 / r['us_per_msg']:,.0f} msg/s of broker CPU); "
+          f"transfer+deliver {r['transfer_and_deliver_us']} us, accept+credit {r['accept_and_credit_us']} us")
 
 
 if __name__ == "__main__":

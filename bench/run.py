@@ -185,6 +185,10 @@ def main() -> None:
     print(f"{'release of held':>22}: {release}")
     memory = queued_memory(20_000 if args.smoke else 1_000_000)
     print(f"{'queued memory':>22}: {memory}")
+    from core import measure as measure_core  # noqa: E402
+
+    core = measure_core(count=5_000 if args.smoke else 200_000, rounds=1 if args.smoke else 3)
+    print(f"{'broker core, no I/O':>22}: {core}")
     spin_after = spin_loop()
     release_kind = "native" if "native" in release else "python"
     out = {
@@ -198,6 +202,8 @@ def main() -> None:
         "release_p99_ms": release[release_kind]["p99_ms"],
         "release_python_p99_ms": release["python"]["p99_ms"],
         "rss_bytes_per_queued_msg": memory["rss_bytes_per_queued_msg"],
+        "broker_rss_1m_queued": memory["broker_rss_bytes"],
+        "broker_core_us_per_msg": core["us_per_msg"],
         "broker_peak_rss_64b": max(r["broker_peak_rss"] for r in results["64b"]),
         "count": count,
         "rounds": rounds,
