@@ -109,12 +109,8 @@ class BrokerSession:
             self._trim()
         return taken_q, taken_e
 
-    def take_all_unacked(self) -> list[tuple[Queue, Entry]]:
-        taken = [(q, e) for q, e in zip(self.unacked_queues, self.unacked, strict=True) if e is not None]
-        self.unacked.clear()
-        self.unacked_queues.clear()
-        self.unacked_count = 0
-        return taken
+    def take_all_unacked(self) -> tuple[list[Queue], list[Entry]]:
+        return self.take_unacked(self.unacked_base, self.unacked_base + len(self.unacked))
 
     def _trim(self) -> None:
         entries = self.unacked
@@ -146,7 +142,7 @@ class Broker:
         self.sessions: dict[int, BrokerSession] = {}
         self._next_session_slot = 0
         self._log = bytearray()  # the op log: OP_WORDS native int64s per op, packed by _op
-        self._log_entries: list[Entry | None] = []
+        self._log_entries: list[int | None] = []  # per op: the sequence number it enqueued, if any
         self._dirty_queues: dict[Queue, None] = {}
         self._dirty_sessions: dict[BrokerSession, None] = {}
         self.on_queue_deleted: list[Callable[[Queue], None]] = []
@@ -167,10 +163,7 @@ class Broker:
             return
         ssn.closed = True
         self._apply()
-        for q, e in sorted(ssn.take_all_unacked(), key=lambda item: -seq_of(item[1])):
-            if not q.deleted:
-                q.put_back(redelivered(e))
-                self._dirty_queues[q] = None
+        self._put_back(*ssn.take_all_unacked())
         for c in list(ssn.consumers.values()):
             self._remove_consumer(c)
         for q in list(self.queues.values()):
@@ -742,8 +735,7 @@ class Broker:
         c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
         # message.deliver's fields up to the delivery id: [18, channel, destination, 0xCF + u64 delivery id]
         head = b"\x9b" + msgpack.packb(P.DELIVER) + msgpack.packb(ssn.channel) + msgpack.packb(destination)
-        c.head = Struct(f">{len(head)}sBQ").pack
-        c.head = partial(c.head, head)
+        c.head = partial(Struct(f">{len(head)}sBQ").pack, head)
         ssn.consumers[destination] = c
         if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
             c.cursor = start_sequence
@@ -790,10 +782,18 @@ class Broker:
                     self._dequeue_many(q, es)
 
     def _h_release(self, ssn, cid, transfers):
-        released = []
+        queues: list[Queue] = []
+        entries: list[Entry] = []
         for first, last in self._ids("message.release", transfers).ranges():
-            released += zip(*ssn.take_unacked(first, last), strict=True)
-        for q, e in sorted(released, key=lambda item: -seq_of(item[1])):
+            qs, es = ssn.take_unacked(first, last)
+            queues += qs
+            entries += es
+        self._put_back(queues, entries)
+
+    def _put_back(self, queues: list[Queue], entries: list[Entry]) -> None:
+        """Released or abandoned deliveries go back to their queues, marked
+        redelivered, newest first so each lands in its old place."""
+        for q, e in sorted(zip(queues, entries, strict=True), key=lambda item: -seq_of(item[1])):
             if not q.deleted:
                 q.put_back(redelivered(e))
                 self._dirty_queues[q] = None
