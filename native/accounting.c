@@ -520,6 +520,25 @@ int acct_force_depth(acct_state *st, int64_t queue, uint32_t count, uint64_t nby
         return (code);              \
     } while (0)
 
+/* A dequeue lowered the queue's depth to (count, nbytes): if that ends its flow
+ * control, record the transition and release every held transfer. Returns 1
+ * if it did, 0 if not, -1 when out of memory (the queue is then unchanged). */
+static int lower_depth(acct_state *st, struct queue *q, int64_t queue, uint32_t count, uint64_t nbytes,
+                       acct_output *out)
+{
+    int resumes = q->flow_on && under_resume(count, nbytes, q);
+    if (resumes && reserve_completions(out, q->held))
+        return -1;
+    q->count = count;
+    q->nbytes = nbytes;
+    if (resumes) {
+        q->flow_on = 0;
+        add_transition(out, queue, q);
+        release_all(st, q, out);
+    }
+    return resumes;
+}
+
 int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
 {
     acct_output *out = &st->out;
@@ -609,19 +628,10 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
                 FAIL(ACCT_ERR_UNKNOWN_QUEUE, a);
             if (q->count == 0 || b < 0 || (uint64_t)b > q->nbytes)
                 FAIL(ACCT_ERR_DEQUEUE_UNDERFLOW, a);
-            uint32_t count = q->count - 1;
-            uint64_t nbytes = q->nbytes - (uint64_t)b;
-            if (q->flow_on && under_resume(count, nbytes, q)) {
-                if (reserve_completions(out, q->held))
-                    FAIL(ACCT_ERR_NOMEM, 0);
-                q->count = count;
-                q->nbytes = nbytes;
-                q->flow_on = 0;
-                add_transition(out, a, q);
-                release_all(st, q, out);
-            } else {
-                q->count = count;
-                q->nbytes = nbytes;
+            int resumed = lower_depth(st, q, a, q->count - 1, q->nbytes - (uint64_t)b, out);
+            if (resumed < 0)
+                FAIL(ACCT_ERR_NOMEM, 0);
+            if (!resumed) {
                 int64_t token = w[3];
                 if (token >= 0 && (uint64_t)(token >> 32) == q->generation) {
                     size_t idx = (size_t)(token & 0xFFFFFFFF);
@@ -640,20 +650,8 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
             int64_t n = w[3];
             if (n < 0 || (uint64_t)n > q->count || b < 0 || (uint64_t)b > q->nbytes)
                 FAIL(ACCT_ERR_DEQUEUE_UNDERFLOW, a);
-            uint32_t count = q->count - (uint32_t)n;
-            uint64_t nbytes = q->nbytes - (uint64_t)b;
-            if (q->flow_on && under_resume(count, nbytes, q)) {
-                if (reserve_completions(out, q->held))
-                    FAIL(ACCT_ERR_NOMEM, 0);
-                q->count = count;
-                q->nbytes = nbytes;
-                q->flow_on = 0;
-                add_transition(out, a, q);
-                release_all(st, q, out);
-            } else {
-                q->count = count;
-                q->nbytes = nbytes;
-            }
+            if (lower_depth(st, q, a, q->count - (uint32_t)n, q->nbytes - (uint64_t)b, out) < 0)
+                FAIL(ACCT_ERR_NOMEM, 0);
         } else {
             FAIL(ACCT_ERR_UNKNOWN_OP, op);
         }
