@@ -14,9 +14,9 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Reinstall when the packaging or the C sources change.
-$(STAMP): $(PY) pyproject.toml setup.py native/accounting.c native/accounting.h native/build_accounting.py
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py)
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -c "import qflow._accounting_native"
+	$(PY) -c "import qflow._accounting_native, qflow._transfers_native"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,7 +24,6 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT)
 
-# The whole suite, once per accounting implementation.
 # The benchmarks' smoke run first (so they never rot), then the whole suite once
 # per accounting implementation; pytest's summary is the last line.
 test: $(STAMP)
@@ -49,4 +48,4 @@ bench-compare: $(STAMP)
 	$(PY) bench/compare.py $(COMPARE_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so
+	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so qflow/_transfers_native*.so

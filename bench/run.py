@@ -53,24 +53,43 @@ def rss_peak_bytes(pid: int) -> int:
 
 
 # -- the client processes ------------------------------------------------------
-async def _produce(port: int, queue: str, count: int, size: int, capacity: int) -> None:
+# Two styles of client: "each" calls send / fetch once per message (what most
+# code does), "batch" calls send_many / fetch_many (what a program moving many
+# messages at once can do). Both keep the sender's capacity and the credit window.
+BATCH_BODIES = 1000  # bodies per send_many call
+
+
+async def _produce(port: int, queue: str, count: int, size: int, capacity: int, style: str = "each") -> None:
     async with await qflow.connect("127.0.0.1", port) as conn:
         ssn = await conn.session()
         sender = ssn.sender(queue, capacity=capacity)
         body = b"x" * size
-        send = sender.send
-        for _ in range(count):
-            await send(body)
+        if style == "batch":
+            bodies = [body] * BATCH_BODIES
+            left = count
+            while left:
+                left -= await sender.send_many(bodies[:left])
+        else:
+            send = sender.send
+            for _ in range(count):
+                await send(body)
         await sender.sync()
 
 
-async def _consume(port: int, queue: str, count: int, capacity: int, rate: float | None = None) -> None:
+async def _consume(port: int, queue: str, count: int, capacity: int, rate: float | None = None,
+                   style: str = "each") -> None:
     async with await qflow.connect("127.0.0.1", port) as conn:
         ssn = await conn.session()
         receiver = await ssn.receiver(queue, capacity=capacity, accept="auto", rate=rate)
-        fetch = receiver.fetch
-        for _ in range(count):
-            await fetch(timeout=60)
+        if style == "batch":
+            fetch_many = receiver.fetch_many
+            left = count
+            while left:
+                left -= len(await fetch_many(left, timeout=60))
+        else:
+            fetch = receiver.fetch
+            for _ in range(count):
+                await fetch(timeout=60)
         await receiver.close()
         await ssn.sync()
 
@@ -78,16 +97,17 @@ async def _consume(port: int, queue: str, count: int, capacity: int, rate: float
 def client_main(argv: list[str]) -> None:
     role, port, queue, count, size, capacity = argv[0], int(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5])
     rate = float(argv[6]) or None
+    style = argv[7]
     if role == "produce":
-        trio.run(_produce, port, queue, count, size, capacity)
+        trio.run(_produce, port, queue, count, size, capacity, style)
     else:
-        trio.run(_consume, port, queue, count, capacity, rate)
+        trio.run(_consume, port, queue, count, capacity, rate, style)
 
 
 def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000,
-            rate: float = 0) -> subprocess.Popen:
+            rate: float = 0, style: str = "each") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--client", role, str(port), queue, str(count), str(size),
-                             str(capacity), str(rate)])
+                             str(capacity), str(rate), style])
 
 
 async def _query(port: int, queue: str) -> dict:
@@ -102,14 +122,14 @@ async def _declare(port: int, queue: str, arguments: dict) -> None:
 
 
 def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
-               consumer_rate: float = 0) -> dict:
+               consumer_rate: float = 0, style: str = "each") -> dict:
     """One producer and one consumer through one queue: msgs/s end to end."""
     proc, port = start_broker(env=env)
     try:
         trio.run(_declare, port, "bench", arguments or {})
-        consumer = _client("consume", port, "bench", count, size, rate=consumer_rate)
+        consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style)
         t0 = time.perf_counter()
-        producer = _client("produce", port, "bench", count, size)
+        producer = _client("produce", port, "bench", count, size, style=style)
         if producer.wait() or consumer.wait():
             raise SystemExit("a benchmark client failed")
         elapsed = time.perf_counter() - t0
@@ -162,6 +182,8 @@ def main() -> None:
         "64b_flow_idle": lambda: throughput(count, 64, idle_flow),
         "64b_python_accounting": lambda: throughput(count, 64, no_flow, env={"QFLOW_ACCOUNTING": "python"}),
         "1k": lambda: throughput(count // 2, 1024, no_flow),
+        "64b_batch": lambda: throughput(count, 64, no_flow, style="batch"),
+        "1k_batch": lambda: throughput(count // 2, 1024, no_flow, style="batch"),
         # a consumer held to 20k msgs/s: the queue cycles between its thresholds
         "64b_flow_cycling": lambda: throughput(count // 3, 64, cycling, consumer_rate=20_000),
     }
@@ -194,6 +216,8 @@ def main() -> None:
     out = {
         "msgs_per_s_64b": med["64b"],
         "msgs_per_s_1k": med["1k"],
+        "msgs_per_s_64b_batch": med["64b_batch"],
+        "msgs_per_s_1k_batch": med["1k_batch"],
         "flow_idle_overhead_pct": round(100 * (1 - paired("64b_flow_idle", "64b")), 1),
         "native_over_python_accounting": round(1 / paired("64b_python_accounting", "64b"), 3),
         "msgs_per_s_64b_flow_cycling": med["64b_flow_cycling"],

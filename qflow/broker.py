@@ -12,6 +12,7 @@ per session that has news. See qflow.accounting for the op log.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -128,10 +129,27 @@ class BrokerSession:
             self.unacked_base += i
 
 
+def _load_transfer_runs(enabled: bool | None) -> Any:
+    """The C scanner of transfer runs, unless disabled (``enabled=False`` or
+    ``$QFLOW_TRANSFER_RUNS=0``) or not built: None then, and every frame goes
+    the frame-by-frame way, which behaves the same."""
+    if enabled is None:
+        enabled = os.environ.get("QFLOW_TRANSFER_RUNS", "1") != "0"
+    if not enabled:
+        return None
+    try:
+        from qflow._native_transfers import TransferRuns
+    except ImportError:
+        return None
+    return TransferRuns()
+
+
 class Broker:
-    def __init__(self, defaults: FlowDefaults | None = None, accounting: Accounting | None = None) -> None:
+    def __init__(self, defaults: FlowDefaults | None = None, accounting: Accounting | None = None,
+                 transfer_runs: bool | None = None) -> None:
         self.defaults = defaults or FlowDefaults()
         self.acct = accounting or load_accounting()
+        self.runs = _load_transfer_runs(transfer_runs)
         self.queues: dict[str, Queue] = {}
         self._queue_by_slot: dict[int, Queue] = {}
         self.exchanges: dict[str, Exchange] = {
@@ -245,6 +263,67 @@ class Broker:
         for q in queues:
             if q.ring:
                 self._trim_ring(q)
+
+    def transfer_run(self, sessions: dict[int, BrokerSession], buf: bytes, pos: int, max_frame: int) -> int:
+        """Take the run of transfers at ``buf[pos]`` (see qflow._native_transfers)
+        if it goes to one queue with room for it, or for its first messages;
+        returns the bytes taken, 0 if none: the frame at ``pos`` then goes
+        through :meth:`transfer` (which also reports every error: a run is
+        only taken when each of its transfers would succeed there)."""
+        runs = self.runs
+        count = runs.scan(buf, pos, max_frame)
+        if not count:
+            return 0
+        run = runs.run
+        ssn = sessions.get(run.channel)
+        if ssn is None:
+            return 0
+        try:
+            exchange = buf[run.exchange:run.exchange + run.exchange_len].decode()
+            routing_key = buf[run.routing_key:run.routing_key + run.routing_key_len].decode()
+            if run.properties_len != 1:  # not nil
+                P.check_properties(msgpack.unpackb(buf[run.properties:run.properties + run.properties_len],
+                                                   raw=False, strict_map_key=False))
+        except (ValueError, TypeError, CommandError):  # bad UTF-8, unhashable keys, bad properties
+            return 0
+        if exchange == "":
+            q = self.queues.get(routing_key)
+            if q is None:
+                return 0
+            queues = q.route
+        else:
+            ex = self.exchanges.get(exchange)
+            if ex is None:
+                return 0
+            queues = ex.route(routing_key)
+            if len(queues) != 1:
+                return 0
+            q = queues[0]
+        if q.max_count:
+            count = min(count, q.max_count - q.count)
+            if count <= 0:
+                return 0
+        max_bytes = q.max_size - q.nbytes if q.max_size else 1 << 64
+        if max_bytes < 0:
+            return 0
+        if ssn.last_queues is not queues:
+            self._note_writer(ssn, queues)
+        seq = q.next_seq
+        commands = ssn.commands
+        cid = commands.next_id
+        n, consumed, nbytes, entries, ops = runs.store(buf, pos, count, max_bytes, seq, ssn.slot, cid, q.slot)
+        if not n:
+            return 0
+        commands.next_id = cid + n
+        q.next_seq = seq + n
+        q.entries.extend(entries)
+        q.count += n
+        q.nbytes += nbytes
+        if q.consumers or q.browsers:
+            self._dirty_queues[q] = None
+        self._log_entries.extend(range(seq, seq + n))
+        self._log += ops
+        return consumed
 
     def _note_writer(self, ssn: BrokerSession, queues: Any) -> None:
         """Remember which queues a session writes to, with its sender capacity

@@ -127,14 +127,14 @@ class FrameDecoder:
             unpacker = self._unpacker  # set_max_frame_size may replace it between frames
             limit = self.max_frame_size
             tell = unpacker.tell
-            start = self._frame_start
             try:
                 for frame in unpacker:  # C-level iteration: the per-message path
+                    start = self._frame_start  # skip() may have moved it since the last frame
                     end = tell()
                     if end - start > limit:
                         raise FrameTooLarge(f"frame of {end - start} bytes exceeds the maximum frame size {limit}")
                     self.frame_begin = start
-                    start = self._frame_start = self.frame_end = end
+                    self._frame_start = self.frame_end = end
                     if type(frame) is not list or not frame or type(frame[0]) is not int:
                         raise FramingError(f"frame is not an array starting with a frame code: {_short(frame)}")
                     yield frame
@@ -151,6 +151,18 @@ class FrameDecoder:
                 raise FramingError(f"malformed frame: {exc}") from None
             except Exception as exc:  # FormatError, StackError, UnicodeDecodeError...
                 raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+    def position(self) -> int:
+        """The stream offset where the next frame starts (see last_chunk)."""
+        return self._frame_start
+
+    def skip(self, n: int) -> None:
+        """Pass over the next ``n`` bytes, which the caller has taken as whole
+        frames straight from :meth:`last_chunk` (the broker's transfer runs).
+        Between frames only."""
+        self._unpacker.read_bytes(n)
+        self._frame_start += n
+        self.frame_begin = self.frame_end = self._frame_start
 
     def last_chunk(self) -> tuple[bytes, int]:
         """The chunk fed last and the stream offset of its first byte: a frame

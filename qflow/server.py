@@ -30,6 +30,7 @@ from qflow.protocol import CommandError
 log = logging.getLogger("qflow.server")
 
 MAX_SESSIONS = 256
+RUN_RETRY = 16  # frames to take one by one after a transfer that starts no run
 
 
 class ConnectionError_(Exception):  # noqa: N801 - distinct from the builtin
@@ -141,7 +142,25 @@ class Connection:
         sessions = self.sessions
         decoder = self.decoder
         last, base = decoder.last_chunk()
-        for frame in decoder.frames():
+        run = broker.transfer_run if broker.runs is not None and self.opened else None
+        frames = decoder.frames()
+        skip_runs = 0
+        while True:
+            if run is not None:
+                # A run of transfers to one queue is taken whole (Broker.transfer_run);
+                # a transfer that starts none goes below, and so do the next few.
+                i = decoder.position() - base
+                if skip_runs:
+                    skip_runs -= 1
+                elif 0 <= i < len(last) - 2 and last[i] == 0x96 and last[i + 1] == 30:
+                    taken = run(sessions, last, i, decoder.max_frame_size)
+                    if taken:
+                        decoder.skip(taken)
+                        continue
+                    skip_runs = RUN_RETRY
+            frame = next(frames, None)
+            if frame is None:
+                break
             code = frame[0]
             if code == P.TRANSFER and len(frame) == 6:
                 channel = frame[1]
@@ -185,6 +204,7 @@ class Connection:
             else:
                 self._control(frame)
                 last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
+                run = broker.transfer_run if broker.runs is not None and self.opened else None
 
     def _no_session(self, frame: list[Any]) -> None:
         channel = frame[1] if len(frame) > 1 else None

@@ -26,6 +26,7 @@ async def test_an_internal_error_ends_only_its_connection(running, monkeypatch):
         raise RuntimeError("simulated broker bug")
 
     monkeypatch.setattr(running.broker, "transfer", broken)
+    monkeypatch.setattr(running.broker, "transfer_run", broken)
     await vs.declare_queue("boom")
     with trio.fail_after(10):
         with pytest.raises(qflow.ConnectionClosed) as err:

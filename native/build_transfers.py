@@ -1,0 +1,55 @@
+"""cffi build script for ``qflow._transfers_native`` (out-of-line API mode).
+
+Referenced from setup.py as ``native/build_transfers.py:ffibuilder``; can also
+be run directly (``python native/build_transfers.py``) to compile into the
+current directory.
+"""
+
+import os
+
+from cffi import FFI
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Mirrors native/transfers.h; in API mode cffi checks these against it.
+CDEF = """
+#define QF_ENTRY_HEAD ...
+#define QF_OP_WORDS ...
+
+typedef struct qf_run {
+    size_t count;
+    size_t end;
+    size_t key_len;
+    size_t exchange, exchange_len;
+    size_t routing_key, routing_key_len;
+    size_t properties, properties_len;
+    unsigned channel;
+} qf_run;
+
+typedef struct qf_stored {
+    size_t count;
+    size_t consumed;
+    uint64_t body_bytes;
+    size_t entry_bytes;
+} qf_stored;
+
+size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
+                         qf_run *run);
+void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count,
+                        uint64_t max_bytes, uint64_t first_seq, int64_t session, int64_t first_command,
+                        int64_t queue, uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
+                        qf_stored *out);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "qflow._transfers_native",
+    '#include "transfers.h"',
+    sources=[os.path.relpath(os.path.join(_HERE, "transfers.c"))],
+    include_dirs=[_HERE],
+    extra_compile_args=["-O2"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,210 @@
+/* See transfers.h. */
+#include "transfers.h"
+
+#include <string.h>
+
+static uint64_t be(const uint8_t *p, int width)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < width; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* A str at *p: sets its payload's offset and length and moves *p past it. */
+static int take_str(const uint8_t **p, const uint8_t *end, const uint8_t *buf, size_t *off, size_t *n)
+{
+    const uint8_t *q = *p;
+    int width;
+    size_t len;
+    if (q >= end)
+        return 0;
+    if (*q >= 0xa0 && *q <= 0xbf) {
+        len = *q & 0x1f;
+        width = 0;
+    } else if (*q >= 0xd9 && *q <= 0xdb) {
+        width = 1 << (*q - 0xd9);
+        if (end - q < 1 + width)
+            return 0;
+        len = be(q + 1, width);
+    } else {
+        return 0;
+    }
+    q += 1 + width;
+    if ((size_t)(end - q) < len)
+        return 0;
+    *off = (size_t)(q - buf);
+    *n = len;
+    *p = q + len;
+    return 1;
+}
+
+/* The length of the msgpack object at p, 0 when it is incomplete or holds an
+ * ext or the never-used 0xc1 (the Python decoder reports those). Iterative:
+ * nesting costs no stack. */
+static size_t skip_object(const uint8_t *p, const uint8_t *end)
+{
+    const uint8_t *start = p;
+    uint64_t remaining = 1;
+    while (remaining) {
+        uint8_t b;
+        uint64_t items = 0;
+        size_t n = 0;
+        int width = 0;
+        if (p >= end)
+            return 0;
+        b = *p++;
+        remaining--;
+        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+            /* a value in its type byte */
+        } else if (b <= 0x8f) {
+            items = 2u * (b & 0x0f);
+        } else if (b <= 0x9f) {
+            items = b & 0x0f;
+        } else if (b <= 0xbf) {
+            n = b & 0x1f;
+        } else {
+            switch (b) {
+            case 0xc4: case 0xd9: width = 1; break;
+            case 0xc5: case 0xda: width = 2; break;
+            case 0xc6: case 0xdb: width = 4; break;
+            case 0xcc: case 0xd0: n = 1; break;
+            case 0xcd: case 0xd1: n = 2; break;
+            case 0xca: case 0xce: case 0xd2: n = 4; break;
+            case 0xcb: case 0xcf: case 0xd3: n = 8; break;
+            case 0xdc: case 0xdd: case 0xde: case 0xdf: {
+                int w = (b == 0xdc || b == 0xde) ? 2 : 4;
+                if (end - p < w)
+                    return 0;
+                items = be(p, w) * (b >= 0xde ? 2u : 1u);
+                p += w;
+                break;
+            }
+            default:
+                return 0;
+            }
+            if (width) {
+                if (end - p < width)
+                    return 0;
+                n = be(p, width);
+                p += width;
+            }
+        }
+        if ((size_t)(end - p) < n)
+            return 0;
+        p += n;
+        remaining += items;
+    }
+    return (size_t)(p - start);
+}
+
+/* The body after a run's key at p: sets the body's length and returns the
+ * frame's end, or NULL if no complete bin follows. */
+static const uint8_t *take_body(const uint8_t *p, const uint8_t *end, uint64_t *size)
+{
+    int width;
+    if (p >= end || *p < 0xc4 || *p > 0xc6)
+        return NULL;
+    width = 1 << (*p - 0xc4);
+    if (end - p < 1 + width)
+        return NULL;
+    *size = be(p + 1, width);
+    p += 1 + width;
+    if ((uint64_t)(end - p) < *size)
+        return NULL;
+    return p + *size;
+}
+
+size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
+                         qf_run *run)
+{
+    const uint8_t *end = buf + len;
+    const uint8_t *p = buf + pos;
+    const uint8_t *key, *q, *frame_end;
+    uint64_t size;
+    size_t n = 0;
+    if (pos >= len || len - pos < 3 || p[0] != 0x96 || p[1] != 0x1e || p[2] > 0x7f || max_count == 0)
+        return 0;
+    key = p + 2;
+    q = key + 1;
+    if (!take_str(&q, end, buf, &run->exchange, &run->exchange_len)
+        || !take_str(&q, end, buf, &run->routing_key, &run->routing_key_len))
+        return 0;
+    run->properties = (size_t)(q - buf);
+    if (q < end && *q == 0xc0) {
+        q += 1;
+    } else {
+        size_t m;
+        if (q >= end || !((*q >= 0x80 && *q <= 0x8f) || *q == 0xde || *q == 0xdf))
+            return 0;
+        m = skip_object(q, end);
+        if (m == 0)
+            return 0;
+        q += m;
+    }
+    run->properties_len = (size_t)(q - buf) - run->properties;
+    run->key_len = (size_t)(q - key);
+    run->channel = key[0];
+    while (n < max_count) {
+        if (end - p < 2 || p[0] != 0x96 || p[1] != 0x1e || (size_t)(end - (p + 2)) < run->key_len)
+            break;
+        if (n && memcmp(p + 2, key, run->key_len) != 0)
+            break;
+        frame_end = take_body(p + 2 + run->key_len, end, &size);
+        if (frame_end == NULL || (size_t)(frame_end - p) > max_frame)
+            break;
+        p = frame_end;
+        n++;
+    }
+    run->count = n;
+    run->end = (size_t)(p - buf);
+    return n;
+}
+
+static void put_be64(uint8_t *p, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--) {
+        p[i] = (uint8_t)v;
+        v >>= 8;
+    }
+}
+
+void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, uint64_t max_bytes,
+                        uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
+                        uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
+                        qf_stored *out)
+{
+    const uint8_t *end = buf + len;
+    const uint8_t *p = buf + pos;
+    uint64_t bytes = 0, size;
+    size_t e = 0, i;
+    for (i = 0; i < count; i++) {
+        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &size);
+        size_t tail;
+        if (frame_end == NULL)  /* not a scanned run */
+            break;
+        tail = (size_t)(frame_end - p) - 3;
+        if (size > max_bytes - bytes || QF_ENTRY_HEAD + tail > entries_cap - e)
+            break;
+        entries[e] = 0xc2;
+        entries[e + 1] = 0xcf;
+        put_be64(entries + e + 2, first_seq + i);
+        entries[e + 10] = 0xcf;
+        put_be64(entries + e + 11, size);
+        memcpy(entries + e + QF_ENTRY_HEAD, p + 3, tail);
+        e += QF_ENTRY_HEAD + tail;
+        entry_ends[i] = (uint32_t)e;
+        ops[0] = QF_OP_TRANSFER1;
+        ops[1] = session;
+        ops[2] = first_command + (int64_t)i;
+        ops[3] = queue;
+        ops[4] = (int64_t)size;
+        ops += QF_OP_WORDS;
+        bytes += size;
+        p = frame_end;
+    }
+    out->count = i;
+    out->consumed = (size_t)(p - (buf + pos));
+    out->body_bytes = bytes;
+    out->entry_bytes = e;
+}

@@ -1,0 +1,59 @@
+/* Runs of message.transfer frames, scanned and stored in one call each.
+ *
+ * The broker's per-message path in C, batch-shaped (a per-frame C call would
+ * cost more than the Python it replaces). A *run* is a sequence of complete
+ * frames, back to back in one buffer, each exactly
+ *
+ *     [30, channel, exchange, routing_key, properties, body]
+ *
+ * encoded as a fixarray of 6, the code 30, the channel as a positive fixint,
+ * exchange and routing key as msgpack str, properties as nil or a map, and
+ * the body as msgpack bin; every frame of a run has the same bytes from the
+ * channel through the properties (the run's *key*). Anything else ends a run,
+ * and the Python decoder takes the frame: it decodes, checks and reports
+ * errors for every frame, so nothing here needs to. */
+#ifndef QFLOW_TRANSFERS_H
+#define QFLOW_TRANSFERS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define QF_ENTRY_HEAD 19   /* redelivered flag, 0xcf + sequence, 0xcf + body size */
+#define QF_OP_WORDS 5
+#define QF_OP_TRANSFER1 4
+
+typedef struct qf_run {
+    size_t count;          /* frames in the run */
+    size_t end;            /* offset just past its last frame */
+    size_t key_len;        /* bytes from the channel through the properties */
+    size_t exchange, exchange_len;        /* offsets of the str payloads in the buffer */
+    size_t routing_key, routing_key_len;
+    size_t properties, properties_len;    /* the encoded properties (nil: 0xc0) */
+    unsigned channel;
+} qf_run;
+
+typedef struct qf_stored {
+    size_t count;          /* frames stored */
+    size_t consumed;       /* bytes of the buffer they span, from pos */
+    uint64_t body_bytes;   /* their bodies' total size */
+    size_t entry_bytes;    /* bytes written to entries */
+} qf_stored;
+
+/* Scan the run starting at buf[pos] (at most max_count frames, each no longer
+ * than max_frame, all within buf[0, len)). Returns its frame count, 0 when
+ * the frame at pos does not start one. */
+size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
+                         qf_run *run);
+
+/* Store the first frames of a run scanned at pos, stopping before the one
+ * that would take the bodies past max_bytes or the entries past entries_cap:
+ * for frame i, the queue entry (the 19-byte head for sequence first_seq + i,
+ * then the frame from the exchange on) goes into entries, ending at
+ * entry_ends[i], and the op (OP_TRANSFER1, session, first_command + i, queue,
+ * body size) into ops. */
+void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, uint64_t max_bytes,
+                        uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
+                        uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
+                        qf_stored *out);
+
+#endif

@@ -1,0 +1,67 @@
+"""Runs of message.transfer frames, scanned and stored by ``native/transfers.c``.
+
+The broker's usual input is hundreds of transfers back to back, from one
+sender to one queue, whose frames differ only in their bodies. Handling them
+one frame at a time in Python (decode six fields, route, check, build the
+entry, log the op) is most of the broker's work per message. Here C scans
+such a run in the read buffer and writes every message's queue entry and
+accounting op in one pass; Python decodes the run's exchange, routing key
+and properties once and routes once. ``native/transfers.h`` says which
+frames make a run; any other frame goes the usual way (``Connection``).
+
+There is no Python twin: the frame-by-frame path is the reference, and
+``tests/test_transfer_runs.py`` checks that both leave the broker in the same
+state for the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qflow._transfers_native import ffi, lib
+
+MAX_RUN = 4096  # frames per store call
+ENTRY_BYTES = 1 << 20  # entry buffer; a run stops where it is full
+U64_MAX = (1 << 64) - 1
+
+_scan = lib.qf_scan_transfers
+_store = lib.qf_store_transfers
+_from_buffer = ffi.from_buffer
+_buffer = ffi.buffer
+_unpack = ffi.unpack
+
+
+class TransferRuns:
+    """Scratch buffers for one broker, reused for every run."""
+
+    __slots__ = ("run", "_stored", "_entries", "_ends", "_ops")
+
+    def __init__(self) -> None:
+        self.run = ffi.new("qf_run *")
+        self._stored = ffi.new("qf_stored *")
+        self._entries = ffi.new("uint8_t[]", ENTRY_BYTES)
+        self._ends = ffi.new("uint32_t[]", MAX_RUN)
+        self._ops = ffi.new("int64_t[]", MAX_RUN * lib.QF_OP_WORDS)
+
+    def scan(self, buf: bytes, pos: int, max_frame: int) -> int:
+        """Frames in the run at ``buf[pos]`` (0: none starts there); ``run``
+        then says where its key's fields are."""
+        return _scan(_from_buffer(buf), len(buf), pos, max_frame, MAX_RUN, self.run)
+
+    def store(self, buf: bytes, pos: int, count: int, max_bytes: int, first_seq: int, session: int,
+              first_command: int, queue: int) -> tuple[int, int, int, list[bytes], Any]:
+        """Store up to ``count`` frames of the run scanned at ``pos`` while their
+        bodies fit in ``max_bytes``: (frames stored, bytes of ``buf`` they
+        span, their body bytes, their queue entries, their ops' bytes)."""
+        out = self._stored
+        _store(_from_buffer(buf), len(buf), pos, self.run.key_len, count, min(max_bytes, U64_MAX), first_seq,
+               session, first_command, queue, self._entries, ENTRY_BYTES, self._ends, self._ops, out)
+        n = out.count
+        if not n:
+            return 0, 0, 0, [], b""
+        blob = _buffer(self._entries, out.entry_bytes)[:]
+        ends = _unpack(self._ends, n)
+        starts = [0, *ends]
+        starts.pop()
+        return n, out.consumed, out.body_bytes, [blob[a:b] for a, b in zip(starts, ends, strict=True)], \
+            _buffer(self._ops, n * 8 * lib.QF_OP_WORDS)
