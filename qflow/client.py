@@ -774,16 +774,14 @@ class Receiver:
         at least one: waits for the first as ``fetch`` does, raising Empty after
         ``timeout`` seconds. Credit and auto-accept work as for ``fetch``, once
         per call instead of once per message."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"fetch_many: limit must be at least 1, not {limit}")
         if self._interval:  # paced: one at a time is the point
             return [await self.fetch(timeout)]
         buffer = self._buffer
         if not buffer:
             await self._wait_for_message(timeout)
-        n = len(buffer)
-        if limit is not None:
-            if limit < 1:
-                raise ValueError("limit must be at least 1")
-            n = min(n, limit)
+        n = len(buffer) if limit is None else min(len(buffer), limit)
         if n == len(buffer):
             frames = list(buffer)
             buffer.clear()
