@@ -79,8 +79,8 @@ def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
             for i in range(0, len(chunk), READ_SIZE):  # no read is larger, as in qflowd
                 _feed(conn, chunk[i:i + READ_SIZE])
                 written.append(conn.encoder.take())
-        queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring,
-                         broker.acct.stats(q.slot) if hasattr(broker.acct, "stats") else None)
+        queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring, q.stats(),
+                         broker.acct.stats(q.slot))
                   for name, q in broker.queues.items()}
         sessions = {ch: (s.commands.next_id, s.commands.floor, s.next_delivery) for ch, s in conn.sessions.items()}
         return {"queues": queues, "sessions": sessions, "written": b"".join(written), "scanned_runs": broker.runs.found if runs else 0}
