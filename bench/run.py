@@ -59,13 +59,23 @@ def rss_peak_bytes(pid: int) -> int:
 BATCH_BODIES = 1000  # bodies per send_many call
 
 
+def _ready() -> None:
+    """Tell the parent this client is connected and set up, then wait for go:
+    start-up (imports, connecting) is not part of the measured time."""
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("the benchmark parent went away")
+
+
 async def _produce(port: int, queue: str, count: int, size: int, capacity: int, style: str = "each") -> None:
     async with await qflow.connect("127.0.0.1", port) as conn:
         ssn = await conn.session()
         sender = ssn.sender(queue, capacity=capacity)
         body = b"x" * size
+        bodies = [body] * BATCH_BODIES
+        _ready()
+        t0 = time.perf_counter()
         if style == "batch":
-            bodies = [body] * BATCH_BODIES
             left = count
             while left:
                 left -= await sender.send_many(bodies[:left])
@@ -74,6 +84,7 @@ async def _produce(port: int, queue: str, count: int, size: int, capacity: int, 
             for _ in range(count):
                 await send(body)
         await sender.sync()
+        print(f"RESULT {t0!r}", flush=True)
 
 
 async def _consume(port: int, queue: str, count: int, capacity: int, rate: float | None = None,
@@ -81,6 +92,7 @@ async def _consume(port: int, queue: str, count: int, capacity: int, rate: float
     async with await qflow.connect("127.0.0.1", port) as conn:
         ssn = await conn.session()
         receiver = await ssn.receiver(queue, capacity=capacity, accept="auto", rate=rate)
+        _ready()
         if style == "batch":
             fetch_many = receiver.fetch_many
             left = count
@@ -90,8 +102,10 @@ async def _consume(port: int, queue: str, count: int, capacity: int, rate: float
             fetch = receiver.fetch
             for _ in range(count):
                 await fetch(timeout=60)
+        t_last = time.perf_counter()
         await receiver.close()
         await ssn.sync()
+        print(f"RESULT {t_last!r}", flush=True)
 
 
 def client_main(argv: list[str]) -> None:
@@ -107,7 +121,37 @@ def client_main(argv: list[str]) -> None:
 def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000,
             rate: float = 0, style: str = "each") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--client", role, str(port), queue, str(count), str(size),
-                             str(capacity), str(rate), style])
+                             str(capacity), str(rate), style], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _expect(proc: subprocess.Popen, word: str) -> str:
+    line = proc.stdout.readline()
+    if not line.startswith(word):
+        proc.kill()
+        raise SystemExit(f"a benchmark client failed (exit {proc.wait()}) before {word}: {line!r}")
+    return line[len(word):].strip()
+
+
+def run_clients(*procs: subprocess.Popen) -> list[float]:
+    """Wait until every client is READY, say go to all, return each one's RESULT
+    time (time.perf_counter, the same monotonic clock in every process)."""
+    try:
+        for proc in procs:
+            _expect(proc, "READY")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = [float(_expect(proc, "RESULT")) for proc in procs]
+        for proc in procs:
+            proc.stdin.close()
+            if proc.wait():
+                raise SystemExit("a benchmark client failed")
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 async def _query(port: int, queue: str) -> dict:
@@ -123,16 +167,17 @@ async def _declare(port: int, queue: str, arguments: dict) -> None:
 
 def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
                consumer_rate: float = 0, style: str = "each") -> dict:
-    """One producer and one consumer through one queue: msgs/s end to end."""
+    """One producer and one consumer through one queue: msgs/s end to end, from
+    the producer's first send to the consumer's last fetch (both processes
+    started and connected before, as bench/compare.py measures)."""
     proc, port = start_broker(env=env)
     try:
         trio.run(_declare, port, "bench", arguments or {})
         consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style)
-        t0 = time.perf_counter()
         producer = _client("produce", port, "bench", count, size, style=style)
-        if producer.wait() or consumer.wait():
-            raise SystemExit("a benchmark client failed")
-        elapsed = time.perf_counter() - t0
+        # From the producer's first send to the consumer's last fetch.
+        t_last, t0 = run_clients(consumer, producer)
+        elapsed = t_last - t0
         stats = trio.run(_query, port, "bench")
         return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3),
                 "broker_peak_rss": rss_peak_bytes(proc.pid), "flow_stopped_count": stats["flowStoppedCount"]}
@@ -155,8 +200,7 @@ def queued_memory(count: int) -> dict:
     try:
         trio.run(_declare, port, "held", {"qpid.max_size": 0, "qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0})
         before = rss_now(proc.pid)
-        if _client("produce", port, "held", count, 64).wait():
-            raise SystemExit("the producer failed")
+        run_clients(_client("produce", port, "held", count, 64))
         after = rss_now(proc.pid)
         return {"rss_bytes_per_queued_msg": round((after - before) / count, 1), "queued": count,
                 "broker_rss_bytes": after}
