@@ -1,4 +1,5 @@
-/* Runs of message.transfer frames, scanned and stored in one call each.
+/* Runs of message.transfer frames, scanned and stored in one call each, and
+ * runs of deliveries scanned (qf_scan_entries, at the end).
  *
  * The broker's per-message path in C, batch-shaped (a per-frame C call would
  * cost more than the Python it replaces). A *run* is a sequence of complete
@@ -55,5 +56,15 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
                         uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
                         uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out);
+
+/* The other way: a message.deliver-run frame (docs/protocol.md) carries
+ * ``count`` queue entries back to back, each the 19-byte head above, then
+ * exchange and routing key (str), properties (nil or a map) and the body
+ * (bin, as long as the head's size says). Checks that buf[0, len) is exactly
+ * that and writes offsets[2i] = where entry i starts, offsets[2i + 1] = where
+ * its body's bytes start, and offsets[2 count] = len (so entry i's body ends
+ * at offsets[2i + 2]). Returns count, or -(i + 1) when entry i is malformed
+ * (i = count: bytes are left over). The client's per-message path. */
+int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
 
 #endif

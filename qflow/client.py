@@ -22,11 +22,21 @@ from collections.abc import Iterable
 from itertools import islice
 from typing import Any
 
+import msgpack
 import trio
 
 from qflow import protocol as P
+from qflow.entries import (
+    ENTRY_HEAD,
+    ENTRY_HEAD_SIZE,
+    REDELIVERED_NO,
+    REDELIVERED_YES,
+    EntryError,
+    scan_entries,
+    seq_and_size,
+)
 from qflow.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError
-from qflow.protocol import DELIVER
+from qflow.protocol import DELIVER, DELIVER_RUN
 from qflow.ranges import RangeSet
 from qflow.session import OutgoingCommands
 
@@ -168,7 +178,7 @@ class Connection:
         trio.lowlevel.spawn_system_task(self._background, name=f"qflow connection {self.name!r}")
         self.encoder.write_header()
         self.encoder.write([P.OPEN, {"mechanism": "ANONYMOUS", "name": self.name, "heartbeat": self.heartbeat,
-                                     "max_frame_size": self.max_frame_size}])
+                                     "max_frame_size": self.max_frame_size, "deliver_runs": True}])
         self.wake()
         try:
             await self._wait(self._opened)
@@ -281,11 +291,14 @@ class Connection:
                 self.decoder.feed(data)
                 receiver = None  # the last receiver given deliveries: woken once per batch
                 for frame in self.decoder.frames():
-                    if frame[0] == DELIVER and len(frame) == 11:
-                        ssn = self.sessions.get(frame[1])
+                    code = frame[0]
+                    if code == DELIVER_RUN or code == DELIVER:
+                        ssn = self.sessions.get(frame[1]) if len(frame) > 2 else None
                         r = ssn.receivers.get(frame[2]) if ssn is not None else None
                         if r is not None:
-                            r._buffer.append(frame)
+                            run = _Deliveries(r, frame) if code == DELIVER_RUN else _Deliveries.of_one(r, frame)
+                            r._buffer.append(run)
+                            r._available += run.count
                             if r is not receiver:
                                 if receiver is not None:
                                     receiver._event.set()
@@ -296,8 +309,8 @@ class Connection:
                     receiver._event.set()
         except ConnectionClosed as exc:
             self._shutdown(exc)
-        except FramingError as exc:
-            self._shutdown(ConnectionClosed(exc.code, f"bad data from the broker: {exc}"))
+        except (FramingError, EntryError) as exc:
+            self._shutdown(ConnectionClosed(getattr(exc, "code", P.FRAMING_ERROR), f"bad data from the broker: {exc}"))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
 
@@ -491,12 +504,22 @@ class Session:
         return receiver
 
 
+def _bin_header(n: int) -> bytes:
+    """msgpack's bin header for ``n`` bytes, as the Packer writes it."""
+    if n < 0x100:
+        return bytes((0xC4, n))
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
 class Sender:
     def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
                  flow_notify: float, flow_timeout: float | None) -> None:
         self.session = session
-        self.exchange = exchange
-        self.routing_key = routing_key
+        self._exchange = exchange
+        self._routing_key = routing_key
+        self._set_head()
         self.capacity = capacity
         self.incomplete = 0
         self.max_incomplete = 0  # the most ever outstanding at once
@@ -508,6 +531,33 @@ class Sender:
         self._next_send = 0.0
         self._space = trio.Event()
         self._unyielded = 0
+
+    def _set_head(self) -> None:
+        # A transfer with no properties, encoded as the Packer would: these
+        # bytes, then the body's bin header and the body. The header of the
+        # last body size is kept with them: bodies of one size are the rule.
+        self._head = (b"\x96" + msgpack.packb(P.TRANSFER) + msgpack.packb(self.session.channel)
+                      + msgpack.packb(self._exchange) + msgpack.packb(self._routing_key) + b"\xc0")
+        self._prefix_size = 0
+        self._prefix = self._head + _bin_header(0)
+
+    @property
+    def exchange(self) -> str:
+        return self._exchange
+
+    @exchange.setter
+    def exchange(self, value: str) -> None:
+        self._exchange = value
+        self._set_head()
+
+    @property
+    def routing_key(self) -> str:
+        return self._routing_key
+
+    @routing_key.setter
+    def routing_key(self, value: str) -> None:
+        self._routing_key = value
+        self._set_head()
 
     def _complete(self, n: int) -> None:
         self.incomplete -= n
@@ -534,9 +584,6 @@ class Sender:
             self._next_send = await _pace(self._next_send, self._interval)
         if type(body) is not bytes:
             body = _to_bytes(body)
-        props = None
-        if message_id is not None or correlation_id is not None or content_type is not None or durable or headers:
-            props = _properties(message_id, correlation_id, content_type, durable, headers)
         # The per-message path: Session._send_command inlined.
         ssn = self.session
         commands = ssn.commands
@@ -544,8 +591,21 @@ class Sender:
         commands.next_id = cid + 1
         commands.incomplete[cid] = self
         conn = ssn.conn
-        conn.encoder.write((P.TRANSFER, ssn.channel, self.exchange,
-                            self.routing_key if routing_key is None else routing_key, props, body))
+        if (routing_key is None and message_id is None and correlation_id is None and content_type is None
+                and not durable and not headers):
+            if len(body) != self._prefix_size:
+                self._prefix_size = len(body)
+                self._prefix = self._head + _bin_header(len(body))
+            out = conn.encoder.buffer
+            out += self._prefix
+            out += body
+        else:
+            props = None
+            if message_id is not None or correlation_id is not None or content_type is not None or durable \
+                    or headers:
+                props = _properties(message_id, correlation_id, content_type, durable, headers)
+            conn.encoder.write((P.TRANSFER, ssn.channel, self._exchange,
+                                self._routing_key if routing_key is None else routing_key, props, body))
         conn._wake.set()
         self.incomplete += 1
         if self.incomplete > self.max_incomplete:
@@ -579,13 +639,14 @@ class Sender:
         props = None
         if message_id is not None or correlation_id is not None or content_type is not None or durable or headers:
             props = _properties(message_id, correlation_id, content_type, durable, headers)
-        key = self.routing_key if routing_key is None else routing_key
+        key = self._routing_key if routing_key is None else routing_key
         ssn = self.session
         conn = ssn.conn
         commands = ssn.commands
         incomplete = commands.incomplete
         write = conn.encoder.write
-        head = (P.TRANSFER, ssn.channel, self.exchange, key, props)
+        head = (P.TRANSFER, ssn.channel, self._exchange, key, props)
+        plain = props is None and key == self._routing_key  # then as send encodes it
         it = iter(bodies)
         sent = 0
         while True:
@@ -601,10 +662,21 @@ class Sender:
             if not run:
                 return sent
             cid = commands.next_id
-            for body in run:
-                if type(body) is not bytes:
-                    body = _to_bytes(body)
-                write((*head, body))
+            if plain:
+                out = conn.encoder.buffer
+                for body in run:
+                    if type(body) is not bytes:
+                        body = _to_bytes(body)
+                    if len(body) != self._prefix_size:
+                        self._prefix_size = len(body)
+                        self._prefix = self._head + _bin_header(len(body))
+                    out += self._prefix
+                    out += body
+            else:
+                for body in run:
+                    if type(body) is not bytes:
+                        body = _to_bytes(body)
+                    write((*head, body))
             n = len(run)
             commands.next_id = cid + n
             incomplete.update(dict.fromkeys(range(cid, cid + n), self))
@@ -653,44 +725,95 @@ class Sender:
             self.session._announce_capacity()
 
 
-class ReceivedMessage:
-    """A delivered message. Its fields are read from the message.deliver
-    frame when asked for, not copied out of it for every message."""
+class _Deliveries:
+    """The messages of one message.deliver-run frame: ``count`` stored entries
+    back to back in ``blob`` (qflow.entries), delivery ids ``first_id`` on.
+    Scanned once; a message's fields are read out of the blob when asked for."""
 
-    __slots__ = ("_frame", "_receiver")
+    __slots__ = ("receiver", "first_id", "count", "blob", "offsets")
 
     def __init__(self, receiver: Receiver, frame: list[Any]) -> None:
-        self._receiver = receiver
-        self._frame = frame  # [18, ch, destination, delivery_id, redelivered, sequence, size, exchange, key, props, body]
+        if len(frame) != 6 or type(frame[3]) is not int or type(frame[4]) is not int or frame[4] < 1 \
+                or type(frame[5]) is not bytes:
+            raise FramingError(f"malformed message.deliver-run for {frame[2]!r}")
+        self.receiver = receiver
+        self.first_id = frame[3]
+        self.count = frame[4]
+        self.blob = frame[5]
+        self.offsets = scan_entries(self.blob, self.count)
+
+    @classmethod
+    def of_one(cls, receiver: Receiver, frame: list[Any]) -> _Deliveries:
+        """A message.deliver frame (a broker that sends no runs) as a run of one."""
+        try:
+            _, _, _, did, redelivered, seq, size, exchange, key, props, body = frame
+            blob = ENTRY_HEAD.pack(REDELIVERED_YES if redelivered else REDELIVERED_NO, 0xCF, seq, 0xCF, size) \
+                + msgpack.packb(exchange) + msgpack.packb(key) + msgpack.packb(props) + msgpack.packb(body)
+        except Exception as exc:  # a wrong field count or type: struct and msgpack say which
+            raise FramingError(f"malformed message.deliver: {type(exc).__name__}: {exc}") from None
+        return cls(receiver, [DELIVER_RUN, frame[1], frame[2], did, 1, blob])
+
+
+class _NoDeliveries:
+    """Where a receiver starts: a run with nothing left in it."""
+
+    first_id = count = 0
+
+
+class ReceivedMessage:
+    """A delivered message. Its fields are read from the frame that carried it
+    when asked for, not copied out for every message; so a message kept alive
+    keeps that frame's bytes (up to a frame's size) alive too."""
+
+    __slots__ = ("_run", "_i", "_fields")
+
+    def __init__(self, run: _Deliveries, i: int) -> None:
+        self._run = run
+        self._i = i
 
     @property
     def body(self) -> bytes:
-        return self._frame[10]
+        run = self._run
+        j = 2 * self._i
+        return run.blob[run.offsets[j + 1]:run.offsets[j + 2]]
 
     @property
     def delivery_id(self) -> int:
-        return self._frame[3]
+        return self._run.first_id + self._i
 
     @property
     def redelivered(self) -> bool:
-        return self._frame[4]
+        run = self._run
+        return run.blob[run.offsets[2 * self._i]] == REDELIVERED_YES
 
     @property
     def sequence(self) -> int:
         """The message's place in its queue."""
-        return self._frame[5]
+        run = self._run
+        return seq_and_size(run.blob, run.offsets[2 * self._i])[0]
+
+    def _decoded(self) -> tuple[str, str, dict[str, Any]]:
+        try:
+            return self._fields
+        except AttributeError:
+            run = self._run
+            j = 2 * self._i
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+            unpacker.feed(run.blob[run.offsets[j] + ENTRY_HEAD_SIZE:run.offsets[j + 1]])
+            self._fields = (unpacker.unpack(), unpacker.unpack(), unpacker.unpack() or {})
+            return self._fields
 
     @property
     def exchange(self) -> str:
-        return self._frame[7]
+        return self._decoded()[0]
 
     @property
     def routing_key(self) -> str:
-        return self._frame[8]
+        return self._decoded()[1]
 
     @property
     def properties(self) -> dict[str, Any]:
-        return self._frame[9] or {}
+        return self._decoded()[2]
 
     @property
     def message_id(self) -> str | None:
@@ -713,10 +836,10 @@ class ReceivedMessage:
         return self.properties.get("headers") or {}
 
     def accept(self) -> None:
-        self._receiver.accept([self])
+        self._run.receiver.accept([self])
 
     def release(self) -> None:
-        self._receiver.release([self])
+        self._run.receiver.release([self])
 
 
 class Empty(Exception):
@@ -732,34 +855,37 @@ class Receiver:
         self.capacity = capacity
         self.accept_mode = accept
         self.ack_frequency = ack_frequency or max(1, capacity // 2)
-        self._buffer: deque[list[Any]] = deque()  # message.deliver frames, the connection's reader appends
+        self._buffer: deque[_Deliveries] = deque()  # runs the connection's reader appends, not yet begun
+        self._available = 0  # messages arrived and not fetched
+        self._run: _Deliveries | _NoDeliveries = _NoDeliveries()  # the run being fetched from
+        self._i = 0  # the next message of _run to fetch
         self._event = trio.Event()
         self._fetched = 0  # credit to give back
         self._credit_batch = max(1, capacity // 2)  # credit goes back in batches this big
         self._to_accept = RangeSet()
-        self._run_first = self._run_last = -2  # delivery ids to accept not yet in _to_accept, a run [first, last]
+        self._spanned = 0  # auto accept: _run's messages before this one are in _to_accept
         self._n_to_accept = 0
         self._interval = 1.0 / rate if rate else 0.0
         self._next_fetch = 0.0
 
     def available(self) -> int:
-        return len(self._buffer)
+        return self._available
 
     async def fetch(self, timeout: float | None = None) -> ReceivedMessage:
         """The next message; raises Empty after ``timeout`` seconds without one."""
         if self._interval:
             self._next_fetch = await _pace(self._next_fetch, self._interval)
-        if not self._buffer:
-            await self._wait_for_message(timeout)
-        frame = self._buffer.popleft()
+        run = self._run
+        i = self._i
+        if i == run.count:
+            if not self._buffer:
+                await self._wait_for_message(timeout)
+            run = self._next_run()
+            i = 0
+        self._i = i + 1
+        self._available -= 1
         self._fetched += 1
         if self.accept_mode == "auto":
-            did = frame[3]
-            if did == self._run_last + 1:  # the usual case: ids are consecutive
-                self._run_last = did
-            else:
-                self._close_run()
-                self._run_first = self._run_last = did
             self._n_to_accept += 1
             if self._n_to_accept >= self.ack_frequency:
                 self._flush_acks()
@@ -767,7 +893,7 @@ class Receiver:
             self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
             self._fetched = 0
             await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
-        return ReceivedMessage(self, frame)
+        return ReceivedMessage(run, i)
 
     async def fetch_many(self, limit: int | None = None, timeout: float | None = None) -> list[ReceivedMessage]:
         """The messages that have arrived, at most ``limit`` (all by default) and
@@ -778,32 +904,21 @@ class Receiver:
             raise ValueError(f"fetch_many: limit must be at least 1, not {limit}")
         if self._interval:  # paced: one at a time is the point
             return [await self.fetch(timeout)]
-        buffer = self._buffer
-        if not buffer:
+        if not self._available:
             await self._wait_for_message(timeout)
-        n = len(buffer) if limit is None else min(len(buffer), limit)
-        if n == len(buffer):
-            frames = list(buffer)
-            buffer.clear()
-        else:
-            frames = [buffer.popleft() for _ in range(n)]
+        n = self._available if limit is None else min(limit, self._available)
+        messages: list[ReceivedMessage] = []
+        while len(messages) < n:
+            run = self._run
+            i = self._i
+            if i == run.count:
+                run = self._next_run()
+                i = 0
+            j = min(run.count, i + n - len(messages))
+            messages += [ReceivedMessage(run, k) for k in range(i, j)]
+            self._i = j
+        self._available -= n
         if self.accept_mode == "auto":
-            first, last = frames[0][3], frames[-1][3]
-            if last - first == n - 1:
-                # Delivery ids only grow, so n of them spanning n values are a run.
-                if first == self._run_last + 1:
-                    self._run_last = last
-                else:
-                    self._close_run()
-                    self._run_first, self._run_last = first, last
-            else:  # another receiver on the session took ids in between
-                for f in frames:
-                    did = f[3]
-                    if did == self._run_last + 1:
-                        self._run_last = did
-                    else:
-                        self._close_run()
-                        self._run_first = self._run_last = did
             self._n_to_accept += n
             if self._n_to_accept >= self.ack_frequency:
                 self._flush_acks()
@@ -812,7 +927,14 @@ class Receiver:
             self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
             self._fetched = 0
             await trio.lowlevel.checkpoint()
-        return [ReceivedMessage(self, f) for f in frames]
+        return messages
+
+    def _next_run(self) -> _Deliveries:
+        """Begin the next run in the buffer (there is one)."""
+        self._span()
+        run = self._run = self._buffer.popleft()
+        self._i = self._spanned = 0
+        return run
 
     async def _wait_for_message(self, timeout: float | None) -> None:
         while not self._buffer:
@@ -826,13 +948,17 @@ class Receiver:
                 if not self._event.is_set():
                     raise Empty(f"no message on {self.queue!r} within {timeout} s")
 
-    def _close_run(self) -> None:
-        if self._run_first >= 0:
-            self._to_accept.add_range(self._run_first, self._run_last)
-        self._run_first = self._run_last = -2
+    def _span(self) -> None:
+        """Auto accept: the messages of the current run fetched since the last
+        span go into _to_accept, as one range (a run's ids are consecutive)."""
+        i = self._i
+        if i > self._spanned and self.accept_mode == "auto":
+            first = self._run.first_id
+            self._to_accept.add_range(first + self._spanned, first + i - 1)
+        self._spanned = i
 
     def _flush_acks(self) -> None:
-        self._close_run()
+        self._span()
         if self._n_to_accept and self.session.error is None:
             self.session._send_command(P.ACCEPT, self._to_accept.to_wire())
             self._to_accept = RangeSet()

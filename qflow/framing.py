@@ -270,47 +270,37 @@ _ZEROS = memoryview(bytes(64 * 1024))
 
 
 class FrameEncoder:
-    """Packs frames into one growing buffer; :meth:`take` hands the batch out.
+    """Gathers encoded frames in one buffer; :meth:`take` hands the batch out.
 
-    One Packer per connection accumulates every frame in its own buffer
-    (``autoreset=False``), so a frame is packed once and copied once, at take.
-    Frames already encoded (the broker's deliveries) go into :meth:`raw`'s
-    buffer; order between the two kinds is kept.
+    ``buffer`` is one ``bytearray`` for the encoder's life: code on the
+    per-message path (the broker's deliveries, the client's transfers) appends
+    frames it encoded itself straight to it, and :meth:`write` packs any other
+    frame after them, so order is kept.
     """
 
-    __slots__ = ("_packer", "write", "_prefix", "_raw")
+    __slots__ = ("buffer", "_pack")
 
     def __init__(self) -> None:
-        self._packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-        self.write = self._packer.pack  # write(frame): the per-message path calls it directly
-        self._prefix = b""  # raw bytes (the protocol header) that go before the packed frames
-        self._raw = bytearray()  # encoded frames that go before the packer's
+        self.buffer = bytearray()
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+
+    def write(self, frame: Any) -> None:
+        self.buffer += self._pack(frame)
 
     def write_header(self) -> None:
-        self._prefix = self.take() + PROTOCOL_HEADER
+        self.buffer += PROTOCOL_HEADER
 
     def raw(self) -> bytearray:
-        """The buffer to append whole encoded frames to, after every frame written so far."""
-        packer = self._packer
-        if len(packer.getbuffer()):
-            self._raw += packer.bytes()
-            packer.reset()
-        return self._raw
+        """The buffer, to append whole encoded frames to."""
+        return self.buffer
 
-    def take(self) -> bytes | bytearray:
-        packer = self._packer
-        data: bytes | bytearray = packer.bytes()
-        packer.reset()
-        if self._raw:
-            raw, self._raw = self._raw, bytearray()
-            raw += data
-            data = raw
-        if self._prefix:
-            data, self._prefix = self._prefix + data, b""
+    def take(self) -> bytes:
+        data = bytes(self.buffer)
+        self.buffer.clear()
         return data
 
     def __len__(self) -> int:
-        return len(self._prefix) + len(self._raw) + len(self._packer.getbuffer())
+        return len(self.buffer)
 
 
 def _short(obj: Any) -> str:

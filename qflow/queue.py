@@ -10,51 +10,25 @@ its own counts and decides (``qflow.accounting``).
 from __future__ import annotations
 
 from collections import deque
-from struct import Struct
 from typing import Any
 
-import msgpack
-
+from qflow.entries import (  # noqa: F401 - the entry format is the queue's storage format
+    ENTRY_HEAD,
+    ENTRY_HEAD_SIZE,
+    REDELIVERED_NO,
+    REDELIVERED_YES,
+    Entry,
+    entry_tail,
+    redelivered,
+    seq_and_size,
+    seq_of,
+)
 from qflow.flow import QueueSettings
-
-# An entry, one message on one queue, is one ``bytes`` object: the encoded
-# tail of the message.deliver frame that will carry it, from ``redelivered``
-# on (see docs/protocol.md). Delivering copies it after a per-delivery head;
-# nothing is re-encoded. One untracked object per message costs a third of
-# the memory of a list, a tuple and a body, and the garbage collector never
-# scans it. Its fixed head:
-#
-#   byte 0        0xc2 / 0xc3    redelivered (msgpack false / true)
-#   bytes 1-9     0xcf + u64     sequence number in the queue
-#   bytes 10-18   0xcf + u64     body size
-#   bytes 19-     exchange, routing key, properties, body (msgpack, as sent)
-Entry = bytes
-ENTRY_HEAD = Struct(">BBQBQ")  # pack(REDELIVERED_NO, 0xCF, seq, 0xCF, size)
-ENTRY_HEAD_SIZE = ENTRY_HEAD.size
-REDELIVERED_NO, REDELIVERED_YES = 0xC2, 0xC3
-seq_and_size = Struct(">2xQxQ").unpack_from  # (seq, size) of an entry
-_SEQ = Struct(">2xQ").unpack_from
-
-
-def seq_of(entry: Entry) -> int:
-    return _SEQ(entry)[0]
-
-
-def redelivered(entry: Entry) -> Entry:
-    """The entry marked redelivered (a new object: entries are immutable)."""
-    return entry if entry[0] == REDELIVERED_YES else b"\xc3" + entry[1:]
-
-
-def entry_tail(entry: Entry) -> tuple[Any, ...]:
-    """(exchange, routing_key, properties, body), decoded (management views, tests)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
-    unpacker.feed(entry[ENTRY_HEAD_SIZE:])
-    return tuple(unpacker)
 
 
 class Consumer:
     __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor",
-                 "head")
+                 "head", "run_head", "run_cap")
 
     def __init__(self, session: Any, destination: str, queue: Queue, accept_mode: int, acquire_mode: int) -> None:
         self.session = session
@@ -66,6 +40,10 @@ class Consumer:
         self.byte_credit = 0  # bytes; -1 = unlimited
         self.cursor = 0  # a browser's next sequence number to deliver
         self.head: Any = None  # head(0xCF, delivery_id): its message.deliver frames' first bytes (set by the broker)
+        # When its connection takes message.deliver-run frames: run_head(0xCF, first_id, 0xCE, count, 0xC6,
+        # entry_bytes), their first bytes, and the most entry bytes one may carry.
+        self.run_head: Any = None
+        self.run_cap = 0
 
     def can_take(self, size: int) -> bool:
         return self.credit != 0 and (self.byte_credit < 0 or self.byte_credit >= size)

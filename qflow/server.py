@@ -50,6 +50,7 @@ class Connection:
         self.encoder = FrameEncoder()
         self.sessions: dict[int, BrokerSession] = {}
         self.opened = False
+        self.deliver_runs = False  # the client takes message.deliver-run frames (connection.open)
         self.name = ""
         self.heartbeat = 0
         self._wake = trio.Event()
@@ -262,15 +263,18 @@ class Connection:
         name = opts.get("name", "")
         heartbeat = opts.get("heartbeat", 0)
         max_frame = opts.get("max_frame_size", self.max_frame_size)
-        if type(name) is not str or type(heartbeat) not in (int, float) or type(max_frame) is not int:
+        deliver_runs = opts.get("deliver_runs", False)
+        if (type(name) is not str or type(heartbeat) not in (int, float) or type(max_frame) is not int
+                or type(deliver_runs) is not bool):
             raise ConnectionError_(P.COMMAND_INVALID, "connection.open: name must be a string, heartbeat a number, "
-                                   "max_frame_size an int")
+                                   "max_frame_size an int, deliver_runs a boolean")
         if math.isnan(heartbeat) or heartbeat < 0 or max_frame < MIN_MAX_FRAME_SIZE:  # NaN: no timer takes it
             raise ConnectionError_(P.COMMAND_INVALID, f"connection.open: heartbeat must be >= 0 and max_frame_size "
                                    f">= {MIN_MAX_FRAME_SIZE}")
         self.name = name
         self.heartbeat = heartbeat
         self.max_frame_size = min(max_frame, self.max_frame_size)
+        self.deliver_runs = deliver_runs
         self.decoder.set_max_frame_size(self.max_frame_size)
         self.opened = True
         self.encoder.write([P.OPEN_OK, {"heartbeat": heartbeat, "max_frame_size": self.max_frame_size,

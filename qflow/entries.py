@@ -1,0 +1,123 @@
+"""Stored entries: one message on one queue, as it is kept and as it is delivered. No I/O.
+
+An entry is one ``bytes`` object: the encoded tail of the message.deliver
+frame that will carry it, from ``redelivered`` on (see docs/protocol.md).
+Delivering copies it after a per-delivery head; nothing is re-encoded. One
+untracked object per message costs a third of the memory of a list, a tuple
+and a body, and the garbage collector never scans it. Its fixed head:
+
+  byte 0        0xc2 / 0xc3    redelivered (msgpack false / true)
+  bytes 1-9     0xcf + u64     sequence number in the queue
+  bytes 10-18   0xcf + u64     body size
+  bytes 19-     exchange, routing key (str), properties (nil or map), body (bin)
+
+A message.deliver-run frame carries entries back to back; :func:`scan_entries`
+checks such a blob and says where each entry and its body start, so the
+client reads a message's fields out of the blob only when asked.
+"""
+
+from __future__ import annotations
+
+from struct import Struct
+from typing import Any
+
+import msgpack
+
+Entry = bytes
+ENTRY_HEAD = Struct(">BBQBQ")  # pack(REDELIVERED_NO, 0xCF, seq, 0xCF, size)
+ENTRY_HEAD_SIZE = ENTRY_HEAD.size
+REDELIVERED_NO, REDELIVERED_YES = 0xC2, 0xC3
+seq_and_size = Struct(">2xQxQ").unpack_from  # (seq, size) of an entry
+_SEQ = Struct(">2xQ").unpack_from
+
+
+def seq_of(entry: Entry) -> int:
+    return _SEQ(entry)[0]
+
+
+def redelivered(entry: Entry) -> Entry:
+    """The entry marked redelivered (a new object: entries are immutable)."""
+    return entry if entry[0] == REDELIVERED_YES else b"\xc3" + entry[1:]
+
+
+def entry_tail(entry: Entry) -> tuple[Any, ...]:
+    """(exchange, routing_key, properties, body), decoded (management views, tests)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(entry[ENTRY_HEAD_SIZE:])
+    return tuple(unpacker)
+
+
+class EntryError(ValueError):
+    """A blob of entries is not what its frame said."""
+
+
+_STR = frozenset(range(0xA0, 0xC0)) | {0xD9, 0xDA, 0xDB}
+_PROPS = frozenset(range(0x80, 0x90)) | {0xC0, 0xDE, 0xDF}
+_BIN = frozenset({0xC4, 0xC5, 0xC6})
+
+
+def scan_entries_python(blob: bytes, count: int) -> list[int]:
+    """The Python twin of ``qf_scan_entries`` (native/transfers.h), which says
+    what is checked: ``[start_0, body_0, start_1, body_1, ..., len(blob)]``
+    where entry i starts at ``start_i`` and its body's bytes run from
+    ``body_i`` to the next start. Raises EntryError naming the bad entry."""
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_ext_len=0, max_buffer_size=max(len(blob), 1))
+    unpacker.feed(blob)
+    offsets: list[int] = []
+    end = len(blob)
+    for i in range(count):
+        start = unpacker.tell()
+        if (end - start < ENTRY_HEAD_SIZE or blob[start] not in (REDELIVERED_NO, REDELIVERED_YES)
+                or blob[start + 1] != 0xCF or blob[start + 10] != 0xCF):
+            raise EntryError(f"entry {i} of {count}: bad head")
+        size = seq_and_size(blob, start)[1]
+        try:
+            for _ in range(3):  # redelivered, sequence, size: checked above
+                unpacker.skip()
+            for allowed in (_STR, _STR, _PROPS):
+                pos = unpacker.tell()
+                if pos >= end or blob[pos] not in allowed:
+                    raise EntryError(f"entry {i} of {count}: exchange, routing key or properties of the wrong type")
+                unpacker.skip()
+            pos = unpacker.tell()
+            if pos >= end or blob[pos] not in _BIN:
+                raise EntryError(f"entry {i} of {count}: the body is not bin")
+            unpacker.skip()
+        except (msgpack.OutOfData, ValueError) as exc:  # ValueError: ext, 0xc1 and the like
+            if isinstance(exc, EntryError):
+                raise
+            raise EntryError(f"entry {i} of {count}: {type(exc).__name__}: {exc}") from None
+        stop = unpacker.tell()
+        body_len = stop - pos - (1 << (blob[pos] - 0xC4)) - 1
+        if body_len != size:
+            raise EntryError(f"entry {i} of {count}: body of {body_len} bytes, head says {size}")
+        offsets += (start, stop - body_len)
+    if unpacker.tell() != end:
+        raise EntryError(f"{end - unpacker.tell()} bytes after the last of {count} entries")
+    offsets.append(end)
+    return offsets
+
+
+def _native_scanner() -> Any:
+    try:
+        from qflow._transfers_native import ffi, lib
+    except ImportError:
+        return None
+    scan, new, from_buffer, unpack = lib.qf_scan_entries, ffi.new, ffi.from_buffer, ffi.unpack
+
+    def scan_entries_native(blob: bytes, count: int) -> list[int]:
+        """``qf_scan_entries`` (native/transfers.c); as :func:`scan_entries_python`."""
+        offsets = new("int64_t[]", 2 * count + 1)
+        got = scan(from_buffer(blob), len(blob), count, offsets)
+        if got != count:
+            i = -got - 1
+            if i == count:
+                raise EntryError(f"bytes after the last of {count} entries")
+            raise EntryError(f"entry {i} of {count} is malformed")
+        return unpack(offsets, 2 * count + 1)
+
+    return scan_entries_native
+
+
+scan_entries_native = _native_scanner()
+scan_entries = scan_entries_native or scan_entries_python
