@@ -40,6 +40,7 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
                         int64_t queue, uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out);
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
+int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len);
 """
 
 ffibuilder = FFI()

@@ -209,40 +209,67 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
     out->entry_bytes = e;
 }
 
+/* The end of the stored entry at p (see qf_scan_entries), setting its body's
+ * size, or NULL when it is malformed or runs past end. */
+static const uint8_t *entry_end(const uint8_t *p, const uint8_t *end, const uint8_t *buf, uint64_t *body_size)
+{
+    const uint8_t *q, *body_end;
+    uint64_t size;
+    size_t off, n;
+    if (end - p < QF_ENTRY_HEAD || (p[0] != 0xc2 && p[0] != 0xc3) || p[1] != 0xcf || p[10] != 0xcf)
+        return NULL;
+    size = be(p + 11, 8);
+    q = p + QF_ENTRY_HEAD;
+    if (!take_str(&q, end, buf, &off, &n) || !take_str(&q, end, buf, &off, &n))
+        return NULL;
+    if (q < end && *q == 0xc0) {
+        q += 1;
+    } else {
+        size_t m;
+        if (q >= end || !((*q >= 0x80 && *q <= 0x8f) || *q == 0xde || *q == 0xdf))
+            return NULL;
+        m = skip_object(q, end);
+        if (m == 0)
+            return NULL;
+        q += m;
+    }
+    body_end = take_body(q, end, body_size);
+    if (body_end == NULL || *body_size != size)
+        return NULL;
+    return body_end;
+}
+
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets)
 {
     const uint8_t *end = buf + len;
     const uint8_t *p = buf;
-    size_t i, off, n;
+    size_t i;
     for (i = 0; i < count; i++) {
-        const uint8_t *q, *body_end;
-        uint64_t size, body_size;
-        if (end - p < QF_ENTRY_HEAD || (p[0] != 0xc2 && p[0] != 0xc3) || p[1] != 0xcf || p[10] != 0xcf)
-            return -(int64_t)(i + 1);
-        size = be(p + 11, 8);
-        q = p + QF_ENTRY_HEAD;
-        if (!take_str(&q, end, buf, &off, &n) || !take_str(&q, end, buf, &off, &n))
-            return -(int64_t)(i + 1);
-        if (q < end && *q == 0xc0) {
-            q += 1;
-        } else {
-            size_t m;
-            if (q >= end || !((*q >= 0x80 && *q <= 0x8f) || *q == 0xde || *q == 0xdf))
-                return -(int64_t)(i + 1);
-            m = skip_object(q, end);
-            if (m == 0)
-                return -(int64_t)(i + 1);
-            q += m;
-        }
-        body_end = take_body(q, end, &body_size);
-        if (body_end == NULL || body_size != size)
+        uint64_t body_size;
+        const uint8_t *next = entry_end(p, end, buf, &body_size);
+        if (next == NULL)
             return -(int64_t)(i + 1);
         offsets[2 * i] = (int64_t)(p - buf);
-        offsets[2 * i + 1] = (int64_t)(body_end - body_size - buf);
-        p = body_end;
+        offsets[2 * i + 1] = (int64_t)(next - body_size - buf);
+        p = next;
     }
     if (p != end)
         return -(int64_t)(count + 1);
     offsets[2 * count] = (int64_t)len;
     return (int64_t)count;
+}
+
+int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len)
+{
+    const uint8_t *end = buf + len;
+    const uint8_t *p = buf;
+    uint64_t total = 0;
+    while (p < end) {
+        uint64_t body_size;
+        p = entry_end(p, end, buf, &body_size);
+        if (p == NULL)
+            return -1;
+        total += body_size;
+    }
+    return (int64_t)total;
 }

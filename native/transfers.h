@@ -67,4 +67,8 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
  * (i = count: bytes are left over). The client's per-message path. */
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
 
+/* The total body size of the entries back to back in buf[0, len), -1 if
+ * they are not well formed: the broker's dequeue of many at once. */
+int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len);
+
 #endif

@@ -35,6 +35,7 @@ from qflow.accounting import (
     AccountingError,
     load_accounting,
 )
+from qflow.entries import body_bytes
 from qflow.exchange import EXCHANGE_TYPES, Exchange
 from qflow.flow import FlowDefaults, SettingsError, describe_transition, resolve
 from qflow.protocol import CommandError
@@ -359,14 +360,17 @@ class Broker:
         """Dequeue entries of one queue: those whose transfer is held here one by
         one (their holds are released), the rest in one OP_DEQUEUE_N."""
         tokens = q.tokens
-        n = nbytes = 0
-        for e in entries:
-            seq, size = seq_and_size(e)
-            if tokens and seq in tokens:
-                self._dequeue(q, e)
-            else:
-                n += 1
-                nbytes += size
+        if not tokens:  # the usual case: no transfer held here
+            n, nbytes = len(entries), body_bytes(entries)
+        else:
+            n = nbytes = 0
+            for e in entries:
+                seq, size = seq_and_size(e)
+                if seq in tokens:
+                    self._dequeue(q, e)
+                else:
+                    n += 1
+                    nbytes += size
         if n:
             q.count -= n
             q.nbytes -= nbytes
@@ -425,7 +429,7 @@ class Broker:
         i = bisect_left(entries, c.cursor, key=seq_of)
         n = len(entries)
         ssn = c.session
-        out = ssn.conn.encoder.raw()
+        out = ssn.conn.encoder.parts
         untracked = bool(ssn.unacked)
         runs = c.run_head is not None
         batch: list[Entry] = []
@@ -444,8 +448,8 @@ class Broker:
             if runs:
                 batch.append(e)
             else:
-                out += c.head(0xCF, did)
-                out += e
+                out.append(c.head(0xCF, did))
+                out.append(e)
             if untracked:
                 ssn.unacked.append(None)
                 ssn.unacked_queues.append(None)
@@ -467,7 +471,7 @@ class Broker:
         if not entries or credit == 0:
             return
         ssn = c.session
-        out = ssn.conn.encoder.raw()
+        out = ssn.conn.encoder.parts
         head = c.head
         did = first_did = ssn.next_delivery
         byte_credit = c.byte_credit
@@ -486,8 +490,8 @@ class Broker:
                     break
                 byte_credit -= size
             popleft()
-            out += head(0xCF, did)
-            out += e
+            out.append(head(0xCF, did))
+            out.append(e)
             did += 1
             limit -= 1
             if credit > 0:
@@ -526,7 +530,11 @@ class Broker:
         byte_credit = c.byte_credit
         popleft = entries.popleft
         if byte_credit < 0:
-            batch = [popleft() for _ in range(n)]
+            if n == len(entries):  # the usual case: the consumer keeps up
+                batch = list(entries)
+                entries.clear()
+            else:
+                batch = [popleft() for _ in range(n)]
         else:
             batch = []
             for _ in range(n):
@@ -562,23 +570,24 @@ class Broker:
     @staticmethod
     def _write_runs(c: Consumer, did: int, batch: list[Entry]) -> None:
         """message.deliver-run frames for ``batch``, delivery ids from ``did`` on,
-        as few as the connection's frame size allows."""
-        out = c.session.conn.encoder.raw()
+        as few as the connection's frame size allows. The entries themselves
+        go to the encoder: they are copied once, when it joins its parts."""
+        out = c.session.conn.encoder.parts
         run_head, cap = c.run_head, c.run_cap
-        blob = b"".join(batch)
-        if len(blob) <= cap:
-            out += run_head(0xCF, did, 0xCE, len(batch), 0xC6, len(blob))
-            out += blob
+        size = sum(map(len, batch))
+        if size <= cap:
+            out.append(run_head(0xCF, did, 0xCE, len(batch), 0xC6, size))
+            out += batch
             return
         first = size = 0
         for i, e in enumerate(batch):
             if size and size + len(e) > cap:
-                out += run_head(0xCF, did + first, 0xCE, i - first, 0xC6, size)
-                out += b"".join(batch[first:i])
+                out.append(run_head(0xCF, did + first, 0xCE, i - first, 0xC6, size))
+                out += batch[first:i]
                 first, size = i, 0
             size += len(e)
-        out += run_head(0xCF, did + first, 0xCE, len(batch) - first, 0xC6, size)
-        out += b"".join(batch[first:])
+        out.append(run_head(0xCF, did + first, 0xCE, len(batch) - first, 0xC6, size))
+        out += batch[first:]
 
     # -- the end of a batch ---------------------------------------------------
     def _apply(self) -> None:

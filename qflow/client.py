@@ -263,11 +263,13 @@ class Connection:
             ssn._shutdown(self.error)
 
     async def _writer(self) -> None:
+        # Runs until the encoder's buffer is empty before it waits again:
+        # Sender.send wakes it only when it finds the buffer empty.
         try:
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
-                while len(self.encoder):
+                while self.encoder.parts:
                     await self.stream.send_all(self.encoder.take())
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
@@ -365,12 +367,12 @@ class Session:
                 owner._complete(n)
 
     def _result(self, cid: int, value: Any) -> None:
-        owner = self.commands.incomplete.get(cid)
+        owner = self.commands.owner_of(cid)
         if type(owner) is _Waiter:
             owner.result = value
 
     def _exception(self, cid: int, code: int, text: str) -> None:
-        owner = self.commands.incomplete.get(cid)
+        owner = self.commands.owner_of(cid)
         err = error_for(code, text)
         if type(owner) is _Waiter:
             owner.error = err
@@ -589,16 +591,21 @@ class Sender:
         commands = ssn.commands
         cid = commands.next_id
         commands.next_id = cid + 1
-        commands.incomplete[cid] = self
+        if commands.last_owner is not self:
+            commands.new_run(cid, self)
         conn = ssn.conn
         if (routing_key is None and message_id is None and correlation_id is None and content_type is None
                 and not durable and not headers):
             if len(body) != self._prefix_size:
                 self._prefix_size = len(body)
                 self._prefix = self._head + _bin_header(len(body))
-            out = conn.encoder.buffer
-            out += self._prefix
-            out += body
+            parts = conn.encoder.parts
+            if not parts:
+                # Pieces waiting mean the writer was woken for them and will
+                # take this too (it writes until there are none).
+                conn._wake.set()
+            parts.append(self._prefix)
+            parts.append(body)
         else:
             props = None
             if message_id is not None or correlation_id is not None or content_type is not None or durable \
@@ -606,7 +613,7 @@ class Sender:
                 props = _properties(message_id, correlation_id, content_type, durable, headers)
             conn.encoder.write((P.TRANSFER, ssn.channel, self._exchange,
                                 self._routing_key if routing_key is None else routing_key, props, body))
-        conn._wake.set()
+            conn._wake.set()
         self.incomplete += 1
         if self.incomplete > self.max_incomplete:
             self.max_incomplete = self.incomplete
@@ -643,7 +650,6 @@ class Sender:
         ssn = self.session
         conn = ssn.conn
         commands = ssn.commands
-        incomplete = commands.incomplete
         write = conn.encoder.write
         head = (P.TRANSFER, ssn.channel, self._exchange, key, props)
         plain = props is None and key == self._routing_key  # then as send encodes it
@@ -663,23 +669,24 @@ class Sender:
                 return sent
             cid = commands.next_id
             if plain:
-                out = conn.encoder.buffer
+                append = conn.encoder.parts.append
                 for body in run:
                     if type(body) is not bytes:
                         body = _to_bytes(body)
                     if len(body) != self._prefix_size:
                         self._prefix_size = len(body)
                         self._prefix = self._head + _bin_header(len(body))
-                    out += self._prefix
-                    out += body
+                    append(self._prefix)
+                    append(body)
             else:
                 for body in run:
                     if type(body) is not bytes:
                         body = _to_bytes(body)
                     write((*head, body))
             n = len(run)
+            if commands.last_owner is not self:
+                commands.new_run(cid, self)
             commands.next_id = cid + n
-            incomplete.update(dict.fromkeys(range(cid, cid + n), self))
             self.incomplete += n
             if self.incomplete > self.max_incomplete:
                 self.max_incomplete = self.incomplete

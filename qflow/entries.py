@@ -98,12 +98,19 @@ def scan_entries_python(blob: bytes, count: int) -> list[int]:
     return offsets
 
 
-def _native_scanner() -> Any:
+def body_bytes_python(entries: list[Entry]) -> int:
+    """The total body size of ``entries``."""
+    return sum(seq_and_size(e)[1] for e in entries)
+
+
+def _native() -> Any:
     try:
         from qflow._transfers_native import ffi, lib
     except ImportError:
-        return None
-    scan, new, from_buffer, unpack = lib.qf_scan_entries, ffi.new, ffi.from_buffer, ffi.unpack
+        return None, None
+    scan, sizes, new, from_buffer, unpack = lib.qf_scan_entries, lib.qf_entries_body_bytes, ffi.new, \
+        ffi.from_buffer, ffi.unpack
+    join = b"".join
 
     def scan_entries_native(blob: bytes, count: int) -> list[int]:
         """``qf_scan_entries`` (native/transfers.c); as :func:`scan_entries_python`."""
@@ -116,8 +123,17 @@ def _native_scanner() -> Any:
             raise EntryError(f"entry {i} of {count} is malformed")
         return unpack(offsets, 2 * count + 1)
 
-    return scan_entries_native
+    def body_bytes_native(entries: list[Entry]) -> int:
+        """``qf_entries_body_bytes``; as :func:`body_bytes_python`."""
+        blob = join(entries)
+        total = sizes(from_buffer(blob), len(blob))
+        if total < 0:
+            raise EntryError("not well-formed entries")
+        return total
+
+    return scan_entries_native, body_bytes_native
 
 
-scan_entries_native = _native_scanner()
+scan_entries_native, body_bytes_native = _native()
 scan_entries = scan_entries_native or scan_entries_python
+body_bytes = body_bytes_native or body_bytes_python

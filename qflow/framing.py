@@ -270,37 +270,36 @@ _ZEROS = memoryview(bytes(64 * 1024))
 
 
 class FrameEncoder:
-    """Gathers encoded frames in one buffer; :meth:`take` hands the batch out.
+    """Gathers encoded frames; :meth:`take` hands the batch out as one bytes.
 
-    ``buffer`` is one ``bytearray`` for the encoder's life: code on the
-    per-message path (the broker's deliveries, the client's transfers) appends
-    frames it encoded itself straight to it, and :meth:`write` packs any other
-    frame after them, so order is kept.
+    ``parts`` is a list of encoded pieces, joined once at :meth:`take`: code on
+    the per-message path (the broker's deliveries, the client's transfers)
+    appends pieces it encoded itself straight to it, and :meth:`write` packs
+    any other frame after them, so order is kept. A list, not a growing
+    bytearray: a bytearray grown by a few hundred KiB a batch is copied over
+    and over as it grows; the join copies each byte once.
     """
 
-    __slots__ = ("buffer", "_pack")
+    __slots__ = ("parts", "_pack")
 
     def __init__(self) -> None:
-        self.buffer = bytearray()
+        self.parts: list[bytes] = []
         self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def write(self, frame: Any) -> None:
-        self.buffer += self._pack(frame)
+        self.parts.append(self._pack(frame))
 
     def write_header(self) -> None:
-        self.buffer += PROTOCOL_HEADER
-
-    def raw(self) -> bytearray:
-        """The buffer, to append whole encoded frames to."""
-        return self.buffer
+        self.parts.append(PROTOCOL_HEADER)
 
     def take(self) -> bytes:
-        data = bytes(self.buffer)
-        self.buffer.clear()
+        data = b"".join(self.parts)
+        self.parts.clear()
         return data
 
     def __len__(self) -> int:
-        return len(self.buffer)
+        """Bytes gathered (a sum over the pieces: test ``parts`` for emptiness instead)."""
+        return sum(map(len, self.parts))
 
 
 def _short(obj: Any) -> str:

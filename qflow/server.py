@@ -106,7 +106,7 @@ class Connection:
         self.sessions.clear()
 
     async def _send_pending(self) -> None:
-        if len(self.encoder):
+        if self.encoder.parts:
             try:
                 await self.stream.send_all(self.encoder.take())
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -117,7 +117,7 @@ class Connection:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            while len(encoder):
+            while encoder.parts:
                 # Closing cancels this task: take nothing then, so run() sends it all
                 # (a cancelled send_all would drop what take() handed it).
                 await trio.lowlevel.checkpoint_if_cancelled()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qflow.ranges import RangeSet
-from qflow.session import IncomingCommands, OutgoingCommands
+from qflow.session import _MISSING, IncomingCommands, OutgoingCommands
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 
@@ -279,3 +279,51 @@ def test_completed_counts_groups_by_owner_and_skips_unknown_ids() -> None:
     assert list(out.incomplete) == [4]
     assert out.completed_counts([0, 5]) == {None: 1}
     assert out.incomplete == {}
+
+
+class _DictModel:
+    """The plain model of OutgoingCommands: one dict entry per incomplete id."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.incomplete: dict[int, object] = {}
+
+    def send(self, owner: object) -> int:
+        self.incomplete[self.next_id] = owner
+        self.next_id += 1
+        return self.next_id - 1
+
+    def completed_counts(self, wire: list[int]) -> dict[object, int]:
+        counts: dict[object, int] = {}
+        for i in range(0, len(wire) - 1, 2):
+            for cid in range(wire[i], min(wire[i + 1], self.next_id - 1) + 1):
+                if cid in self.incomplete:
+                    owner = self.incomplete.pop(cid)
+                    counts[owner] = counts.get(owner, 0) + 1
+        return counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("send"), st.sampled_from(["a", "a", "a", "b", None]), st.integers(1, 20)),
+    st.tuples(st.just("complete"), st.lists(st.tuples(st.integers(0, 120), st.integers(0, 30)), max_size=3)),
+), max_size=30))
+def test_outgoing_runs_match_one_entry_per_id(steps):
+    """Ids kept as runs of one owner and completed ranges give what one dict
+    entry per id gives: the same counts per owner for any sends and reports
+    (in order, out of order, repeated, beyond what was sent), the same
+    incomplete ids and owners."""
+    out, model = OutgoingCommands(), _DictModel()
+    for step in steps:
+        if step[0] == "send":
+            for _ in range(step[2]):
+                assert out.send(step[1]) == model.send(step[1])
+        else:
+            wire = [x for first, n in sorted(step[1]) for x in (first, first + n)]
+            merged = list(RangeSet((wire[i], wire[i + 1]) for i in range(0, len(wire), 2)).ranges())
+            wire = [x for r in merged for x in r]
+            assert out.completed_counts(wire) == model.completed_counts(wire)
+        assert out.incomplete == model.incomplete
+        for cid in range(model.next_id + 2):
+            owner = out.owner_of(cid)
+            assert owner == model.incomplete.get(cid, owner) and (owner is not _MISSING) == (cid in model.incomplete)

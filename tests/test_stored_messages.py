@@ -161,9 +161,9 @@ def test_frame_tail_follows_frames_across_chunks() -> None:
 def test_encoder_keeps_raw_and_packed_frames_in_order() -> None:
     enc = FrameEncoder()
     enc.write([P.HEARTBEAT])
-    enc.raw().extend(msgpack.packb([P.FLUSH, 1]))
+    enc.parts.append(msgpack.packb([P.FLUSH, 1]))
     enc.write([P.SYNC, 2])
-    enc.raw().extend(msgpack.packb([P.FLUSH, 3]))
+    enc.parts.append(msgpack.packb([P.FLUSH, 3]))
     assert len(enc) == 2 + 3 + 3 + 3
     data = enc.take()
     unpacker = msgpack.Unpacker()
