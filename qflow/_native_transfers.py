@@ -59,7 +59,11 @@ class TransferRuns:
         n = out.count
         if not n:
             return 0, 0, 0, [], b""
-        blob = _buffer(self._entries, out.entry_bytes)[:]
+        blob = _buffer(self._entries, out.entry_bytes)
+        if out.entry_bytes < 256 * n:
+            # Small entries: slicing a bytes copy is faster than slicing the
+            # C buffer; big ones are copied only once (measured, 90 and 1050 B).
+            blob = blob[:]
         ends = _unpack(self._ends, n)
         starts = [0, *ends]
         starts.pop()
