@@ -263,8 +263,8 @@ class Connection:
             ssn._shutdown(self.error)
 
     async def _writer(self) -> None:
-        # Runs until the encoder's buffer is empty before it waits again:
-        # Sender.send wakes it only when it finds the buffer empty.
+        # Runs until the encoder has no parts left before it waits again:
+        # Sender.send wakes it only when it finds none.
         try:
             while True:
                 await self._wake.wait()

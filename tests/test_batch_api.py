@@ -151,3 +151,39 @@ async def test_fetch_many_in_explicit_mode_leaves_the_accept_to_the_caller(ssn):
     receiver.accept(msgs)
     await ssn.sync()
     assert (await stats(ssn, "q"))["msgDepth"] == 0
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 65535, 65536, 70000])
+def test_a_plain_transfer_is_encoded_as_the_packer_encodes_it(size):
+    """Senders write transfers without properties from cached bytes; the broker
+    and its run scanner see exactly what msgpack's Packer would have written."""
+    import types
+
+    import msgpack
+
+    from qflow.client import Sender, _bin_header
+    sender = Sender(types.SimpleNamespace(channel=3), "amq.direct", "key", 10, None, 5.0, None)
+    body = b"b" * size
+    assert sender._head + _bin_header(size) + body == msgpack.packb([30, 3, "amq.direct", "key", None, body])
+
+
+async def test_a_senders_exchange_and_routing_key_can_be_changed(running):
+    """They are the sender's address for its next sends, as before they were cached."""
+    async with await running.connect() as conn:
+        ssn = await conn.session()
+        for q in ("first", "second", "third"):
+            await ssn.declare_queue(q)
+        await ssn.bind("amq.direct", "third", "k3")
+        sender = ssn.sender("first")
+        await sender.send(b"1")
+        sender.routing_key = "second"
+        await sender.send(b"2")
+        await sender.send_many([b"3", b"4"])
+        sender.exchange, sender.routing_key = "amq.direct", "k3"
+        await sender.send(b"5")
+        await sender.sync()
+        depths = [(await ssn.query_queue(q))["msgDepth"] for q in ("first", "second", "third")]
+        assert depths == [1, 3, 1]
+        receiver = await ssn.receiver("third")
+        m = await receiver.fetch(timeout=5)
+        assert (m.body, m.exchange, m.routing_key) == (b"5", "amq.direct", "k3")
