@@ -209,6 +209,35 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
     out->entry_bytes = e;
 }
 
+void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
+                   int64_t first_command, const int64_t *queues, size_t nq, int64_t *ops)
+{
+    const uint8_t *end = buf + len;
+    const uint8_t *p = buf + pos;
+    uint64_t size;
+    for (size_t i = 0; i < count; i++) {
+        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &size);
+        if (frame_end == NULL)  /* not a scanned run: the caller stored fewer */
+            return;
+        ops[0] = QF_OP_TRANSFER;
+        ops[1] = session;
+        ops[2] = first_command + (int64_t)i;
+        ops[3] = ops[4] = 0;
+        ops += QF_OP_WORDS;
+        for (size_t j = 0; j < nq; j++) {
+            ops[0] = QF_OP_ENQUEUE;
+            ops[1] = queues[j];
+            ops[2] = (int64_t)size;
+            ops[3] = ops[4] = 0;
+            ops += QF_OP_WORDS;
+        }
+        ops[0] = QF_OP_END;
+        ops[1] = ops[2] = ops[3] = ops[4] = 0;
+        ops += QF_OP_WORDS;
+        p = frame_end;
+    }
+}
+
 /* The end of the stored entry at p (see qf_scan_entries), setting its body's
  * size, or NULL when it is malformed or runs past end. */
 static const uint8_t *entry_end(const uint8_t *p, const uint8_t *end, const uint8_t *buf, uint64_t *body_size)

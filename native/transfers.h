@@ -21,6 +21,9 @@
 
 #define QF_ENTRY_HEAD 19   /* redelivered flag, 0xcf + sequence, 0xcf + body size */
 #define QF_OP_WORDS 5
+#define QF_OP_TRANSFER 1   /* the accounting's op codes (qflow/accounting.py) */
+#define QF_OP_ENQUEUE 2
+#define QF_OP_END 3
 #define QF_OP_TRANSFER1 4
 
 typedef struct qf_run {
@@ -56,6 +59,13 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
                         uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
                         uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out);
+
+/* The ops of the first count frames of a run scanned at pos going to several
+ * queues (a fanout): for each, OP_TRANSFER (session, first_command + i), one
+ * OP_ENQUEUE (queue, body size) per queue, OP_END; (2 + nq) * QF_OP_WORDS
+ * words per frame. The entries come from qf_store_transfers, once per queue. */
+void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
+                   int64_t first_command, const int64_t *queues, size_t nq, int64_t *ops);
 
 /* The other way: a message.deliver-run frame (docs/protocol.md) carries
  * ``count`` queue entries back to back, each the 19-byte head above, then

@@ -26,6 +26,7 @@ U64_MAX = (1 << 64) - 1
 
 _scan = lib.qf_scan_transfers
 _store = lib.qf_store_transfers
+_fanout = lib.qf_fanout_ops
 _from_buffer = ffi.from_buffer
 _buffer = ffi.buffer
 _unpack = ffi.unpack
@@ -69,3 +70,14 @@ class TransferRuns:
         starts.pop()
         return n, out.consumed, out.body_bytes, [blob[a:b] for a, b in zip(starts, ends, strict=True)], \
             _buffer(self._ops, n * 8 * lib.QF_OP_WORDS)
+
+    def fanout_ops(self, buf: bytes, pos: int, count: int, session: int, first_command: int,
+                   queues: list[int]) -> Any:
+        """The ops' bytes for the first ``count`` frames of the run scanned at
+        ``pos``, each going to every queue of ``queues`` (slots); their entries
+        come from :meth:`store`, called once per queue."""
+        words = count * (2 + len(queues)) * lib.QF_OP_WORDS
+        ops = ffi.new("int64_t[]", words)
+        _fanout(_from_buffer(buf), len(buf), pos, self.run.key_len, count, session, first_command,
+                ffi.new("int64_t[]", queues), len(queues), ops)
+        return _buffer(ops, words * 8)

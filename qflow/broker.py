@@ -267,8 +267,8 @@ class Broker:
 
     def transfer_run(self, sessions: dict[int, BrokerSession], buf: bytes, pos: int, max_frame: int) -> int:
         """Take the run of transfers at ``buf[pos]`` (see qflow._native_transfers)
-        if it goes to one queue with room for it, or for its first messages;
-        returns the bytes taken, 0 if none: the frame at ``pos`` then goes
+        if its queues (one, or several: a fanout) have room for it, or for its
+        first messages; returns the bytes taken, 0 if none: the frame at ``pos`` then goes
         through :meth:`transfer` (which also reports every error: a run is
         only taken when each of its transfers would succeed there)."""
         runs = self.runs
@@ -297,18 +297,21 @@ class Broker:
             if ex is None:
                 return 0
             queues = ex.route(routing_key)
-            if len(queues) != 1:
+            if not queues:
                 return 0
-            q = queues[0]
-        if q.max_count:
-            count = min(count, q.max_count - q.count)
-            if count <= 0:
-                return 0
-        max_bytes = q.max_size - q.nbytes if q.max_size else 1 << 64
-        if max_bytes < 0:
+        max_bytes = 1 << 64
+        for q in queues:
+            if q.max_count:
+                count = min(count, q.max_count - q.count)
+            if q.max_size:
+                max_bytes = min(max_bytes, q.max_size - q.nbytes)
+        if count <= 0 or max_bytes < 0:
             return 0
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
+        if len(queues) > 1:
+            return self._fanout_run(ssn, queues, buf, pos, count, max_bytes)
+        q = queues[0]
         seq = q.next_seq
         commands = ssn.commands
         cid = commands.next_id
@@ -323,6 +326,36 @@ class Broker:
         if q.consumers or q.browsers:
             self._dirty_queues[q] = None
         self._log_entries.extend(range(seq, seq + n))
+        self._log += ops
+        return consumed
+
+    def _fanout_run(self, ssn: BrokerSession, queues: list[Queue], buf: bytes, pos: int, count: int,
+                    max_bytes: int) -> int:
+        """:meth:`transfer_run` for a run routed to several queues: each queue
+        gets its own entries (their sequence numbers differ), and the ops are
+        those :meth:`transfer` logs for a transfer to several queues."""
+        runs = self.runs
+        cid = ssn.commands.next_id
+        stored = [runs.store(buf, pos, count, max_bytes, q.next_seq, ssn.slot, cid, q.slot) for q in queues]
+        n, consumed, nbytes = stored[0][:3]
+        if not n:
+            return 0
+        ops = runs.fanout_ops(buf, pos, n, ssn.slot, cid, [q.slot for q in queues])
+        ssn.commands.next_id = cid + n
+        seqs = [q.next_seq for q in queues]
+        for q, (_, _, _, entries, _) in zip(queues, stored, strict=True):
+            q.next_seq += n
+            q.entries.extend(entries)
+            q.count += n
+            q.nbytes += nbytes
+            if q.consumers or q.browsers:
+                self._dirty_queues[q] = None
+        # One log entry per op: None for OP_TRANSFER and OP_END, each queue's sequence number for its OP_ENQUEUE.
+        log_entries = self._log_entries
+        for i in range(n):
+            log_entries.append(None)
+            log_entries += [s + i for s in seqs]
+            log_entries.append(None)
         self._log += ops
         return consumed
 
