@@ -1,12 +1,13 @@
 """Runs of message.transfer frames, scanned and stored by ``native/transfers.c``.
 
 The broker's usual input is hundreds of transfers back to back, from one
-sender to one queue, whose frames differ only in their bodies. Handling them
+sender to one queue or exchange, whose frames differ only in their bodies. Handling them
 one frame at a time in Python (decode six fields, route, check, build the
 entry, log the op) is most of the broker's work per message. Here C scans
 such a run in the read buffer and writes every message's queue entry and
-accounting op in one pass; Python decodes the run's exchange, routing key
-and properties once and routes once. ``native/transfers.h`` says which
+accounting op in one pass (a run routed to several queues, a fanout: one
+pass per queue for the entries, one for the ops); Python decodes the run's
+exchange, routing key and properties once and routes once. ``native/transfers.h`` says which
 frames make a run; any other frame goes the usual way (``Connection``).
 
 There is no Python twin: the frame-by-frame path is the reference, and
