@@ -93,6 +93,8 @@ _BY_CODE = {P.NOT_FOUND: NotFound, P.RESOURCE_LOCKED: ResourceLocked, P.PRECONDI
             P.NOT_ALLOWED: NotAllowed}
 
 
+_new = object.__new__
+
 PACE_SLACK = 0.002  # a rate limiter sleeps only once this far ahead of its schedule
 
 
@@ -300,7 +302,6 @@ class Connection:
                         if r is not None:
                             run = _Deliveries(r, frame) if code == DELIVER_RUN else _Deliveries.of_one(r, frame)
                             r._buffer.append(run)
-                            r._available += run.count
                             if r is not receiver:
                                 if receiver is not None:
                                     receiver._event.set()
@@ -863,44 +864,52 @@ class Receiver:
         self.accept_mode = accept
         self.ack_frequency = ack_frequency or max(1, capacity // 2)
         self._buffer: deque[_Deliveries] = deque()  # runs the connection's reader appends, not yet begun
-        self._available = 0  # messages arrived and not fetched
         self._run: _Deliveries | _NoDeliveries = _NoDeliveries()  # the run being fetched from
         self._i = 0  # the next message of _run to fetch
         self._event = trio.Event()
-        self._fetched = 0  # credit to give back
+        # Credit and auto-accept are settled every so many fetches: _taken counts
+        # every message fetched, the marks say where each was last settled, and
+        # _next_settle is the count at which one of them is next due.
+        self._taken = 0
+        self._credit_mark = 0
         self._credit_batch = max(1, capacity // 2)  # credit goes back in batches this big
+        self._ack_mark = 0
+        self._next_settle = min(self._credit_batch, self.ack_frequency)
         self._to_accept = RangeSet()
         self._spanned = 0  # auto accept: _run's messages before this one are in _to_accept
-        self._n_to_accept = 0
         self._interval = 1.0 / rate if rate else 0.0
         self._next_fetch = 0.0
 
     def available(self) -> int:
-        return self._available
+        """Messages arrived and not fetched yet."""
+        return self._run.count - self._i + sum(run.count for run in self._buffer)
 
     async def fetch(self, timeout: float | None = None) -> ReceivedMessage:
         """The next message; raises Empty after ``timeout`` seconds without one."""
-        if self._interval:
-            self._next_fetch = await _pace(self._next_fetch, self._interval)
         run = self._run
         i = self._i
-        if i == run.count:
+        if i == run.count or self._interval:
+            run, i = await self._fetch_slowly(timeout)
+        self._i = i + 1
+        taken = self._taken + 1
+        self._taken = taken
+        if taken >= self._next_settle:
+            await self._settle()
+        # ReceivedMessage(run, i) without the cost of calling __init__: the per-message path.
+        message = _new(ReceivedMessage)
+        message._run = run
+        message._i = i
+        return message
+
+    async def _fetch_slowly(self, timeout: float | None) -> tuple[_Deliveries, int]:
+        """fetch's other path: pacing, and a run to begin (waiting for one)."""
+        if self._interval:
+            self._next_fetch = await _pace(self._next_fetch, self._interval)
+        if self._i == self._run.count:
             if not self._buffer:
                 await self._wait_for_message(timeout)
-            run = self._next_run()
-            i = 0
-        self._i = i + 1
-        self._available -= 1
-        self._fetched += 1
-        if self.accept_mode == "auto":
-            self._n_to_accept += 1
-            if self._n_to_accept >= self.ack_frequency:
-                self._flush_acks()
-        if self._fetched >= self._credit_batch:
-            self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
-            self._fetched = 0
-            await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
-        return ReceivedMessage(run, i)
+            self._next_run()
+        return self._run, self._i
 
     async def fetch_many(self, limit: int | None = None, timeout: float | None = None) -> list[ReceivedMessage]:
         """The messages that have arrived, at most ``limit`` (all by default) and
@@ -911,9 +920,11 @@ class Receiver:
             raise ValueError(f"fetch_many: limit must be at least 1, not {limit}")
         if self._interval:  # paced: one at a time is the point
             return [await self.fetch(timeout)]
-        if not self._available:
+        available = self.available()
+        if not available:
             await self._wait_for_message(timeout)
-        n = self._available if limit is None else min(limit, self._available)
+            available = self.available()
+        n = available if limit is None else min(limit, available)
         messages: list[ReceivedMessage] = []
         while len(messages) < n:
             run = self._run
@@ -924,17 +935,22 @@ class Receiver:
             j = min(run.count, i + n - len(messages))
             messages += [ReceivedMessage(run, k) for k in range(i, j)]
             self._i = j
-        self._available -= n
-        if self.accept_mode == "auto":
-            self._n_to_accept += n
-            if self._n_to_accept >= self.ack_frequency:
-                self._flush_acks()
-        self._fetched += n
-        if self._fetched >= self._credit_batch:
-            self.session._send_command(P.FLOW, self.destination, self._fetched, 0)
-            self._fetched = 0
-            await trio.lowlevel.checkpoint()
+        self._taken += n
+        if self._taken >= self._next_settle:
+            await self._settle()
         return messages
+
+    async def _settle(self) -> None:
+        """Auto-accept what was fetched, give credit back, each when due (at
+        least one is: both set _next_settle again)."""
+        if self._taken - self._ack_mark >= self.ack_frequency:
+            self._flush_acks()
+        fetched = self._taken - self._credit_mark
+        if fetched >= self._credit_batch:
+            self.session._send_command(P.FLOW, self.destination, fetched, 0)
+            self._credit_mark = self._taken
+            self._next_settle = min(self._credit_mark + self._credit_batch, self._ack_mark + self.ack_frequency)
+            await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
 
     def _next_run(self) -> _Deliveries:
         """Begin the next run in the buffer (there is one)."""
@@ -966,10 +982,11 @@ class Receiver:
 
     def _flush_acks(self) -> None:
         self._span()
-        if self._n_to_accept and self.session.error is None:
+        if self._to_accept and self.session.error is None:
             self.session._send_command(P.ACCEPT, self._to_accept.to_wire())
             self._to_accept = RangeSet()
-            self._n_to_accept = 0
+        self._ack_mark = self._taken
+        self._next_settle = min(self._credit_mark + self._credit_batch, self._ack_mark + self.ack_frequency)
 
     def accept(self, messages: list[ReceivedMessage]) -> None:
         ids = RangeSet()
