@@ -523,6 +523,9 @@ class Sender:
         self._exchange = exchange
         self._routing_key = routing_key
         self._set_head()
+        self._commands = session.commands  # for the per-message path: these objects live as long as the sender
+        self._conn = session.conn
+        self._parts = session.conn.encoder.parts
         self.capacity = capacity
         self.incomplete = 0
         self.max_incomplete = 0  # the most ever outstanding at once
@@ -579,6 +582,38 @@ class Sender:
                    headers: dict[str, Any] | None = None) -> None:
         """Send one message; waits while ``capacity`` transfers are incomplete.
         Raises the broker's error for an earlier transfer that it refused."""
+        incomplete = self.incomplete
+        if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
+                or routing_key is not None or message_id is not None or correlation_id is not None
+                or content_type is not None or durable or headers or type(body) is not bytes
+                or len(body) != self._prefix_size):
+            await self._send(body, routing_key, message_id, correlation_id, content_type, durable, headers)
+            return
+        # The per-message path: a transfer with no properties whose body is the
+        # size of the last, written from cached bytes (what _send does, less).
+        commands = self._commands
+        cid = commands.next_id
+        commands.next_id = cid + 1
+        if commands.last_owner is not self:
+            commands.new_run(cid, self)
+        parts = self._parts
+        if not parts:
+            self._conn._wake.set()  # pieces waiting mean the writer was woken for them
+        parts.append(self._prefix)
+        parts.append(body)
+        incomplete += 1
+        self.incomplete = incomplete
+        if incomplete > self.max_incomplete:
+            self.max_incomplete = incomplete
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
+
+    async def _send(self, body: bytes | str, routing_key: str | None, message_id: str | None,
+                    correlation_id: str | None, content_type: str | None, durable: bool,
+                    headers: dict[str, Any] | None) -> None:
+        """send, any message: waits for room, paces, encodes properties."""
         if self.errors or self.session.error:
             self._raise_errors()
         if self.incomplete >= self.capacity:

@@ -272,7 +272,8 @@ _ZEROS = memoryview(bytes(64 * 1024))
 class FrameEncoder:
     """Gathers encoded frames; :meth:`take` hands the batch out as one bytes.
 
-    ``parts`` is a list of encoded pieces, joined once at :meth:`take`: code on
+    ``parts`` is a list of encoded pieces, joined once at :meth:`take` (one
+    list for the encoder's life: a sender keeps a reference to it). Code on
     the per-message path (the broker's deliveries, the client's transfers)
     appends pieces it encoded itself straight to it, and :meth:`write` packs
     any other frame after them, so order is kept. A list, not a growing

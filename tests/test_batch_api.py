@@ -162,7 +162,9 @@ def test_a_plain_transfer_is_encoded_as_the_packer_encodes_it(size):
     import msgpack
 
     from qflow.client import Sender, _bin_header
-    sender = Sender(types.SimpleNamespace(channel=3), "amq.direct", "key", 10, None, 5.0, None)
+    from qflow.framing import FrameEncoder
+    session = types.SimpleNamespace(channel=3, commands=None, conn=types.SimpleNamespace(encoder=FrameEncoder()))
+    sender = Sender(session, "amq.direct", "key", 10, None, 5.0, None)
     body = b"b" * size
     assert sender._head + _bin_header(size) + body == msgpack.packb([30, 3, "amq.direct", "key", None, body])
 
