@@ -622,7 +622,7 @@ class Sender:
             self._next_send = await _pace(self._next_send, self._interval)
         if type(body) is not bytes:
             body = _to_bytes(body)
-        # The per-message path: Session._send_command inlined.
+        # Session._send_command, with the sender's own encoding of a plain transfer.
         ssn = self.session
         commands = ssn.commands
         cid = commands.next_id

@@ -679,45 +679,37 @@ async def test_heartbeat_detects_dead_peer_and_releases_its_deliveries(running, 
         assert (m.body, m.redelivered) == (b"taken", True)
 
 
-async def test_auto_accept_goes_out_every_ack_frequency_fetches(conn):
+async def test_auto_accept_goes_out_every_ack_frequency_fetches(ssn):
     """accept="auto" with ack_frequency 3: fetched messages are accepted (and
     leave the queue) three at a time; closing accepts the rest fetched, and
     what was delivered but not fetched goes back."""
-    ssn = await conn.session()
-    await ssn.declare_queue("acks")
-    sender = ssn.sender("acks")
-    for i in range(10):
-        await sender.send(b"%d" % i)
-    await sender.sync()
-    receiver = await ssn.receiver("acks", capacity=10, ack_frequency=3)
-    got = await fetch_n(receiver, 7)
-    await ssn.sync()
-    assert await depth(ssn, "acks") == 10 - 6  # accepted at the 3rd and 6th fetch
-    got += await fetch_n(receiver, 1)
-    await ssn.sync()
-    assert await depth(ssn, "acks") == 4  # the 8th is not due yet
-    await receiver.close()
-    await ssn.sync()
-    assert await depth(ssn, "acks") == 2  # the 7th and 8th accepted at close; 2 never fetched
-    assert [m.body for m in got] == [b"%d" % i for i in range(8)]
+    with trio.fail_after(TIMEOUT):
+        await ssn.declare_queue("acks")
+        await send_all(ssn, "acks", [b"%d" % i for i in range(10)])
+        receiver = await ssn.receiver("acks", capacity=10, ack_frequency=3)
+        got = await fetch_n(receiver, 7)
+        await ssn.sync()
+        assert await depth(ssn, "acks") == 10 - 6  # accepted at the 3rd and 6th fetch
+        got += await fetch_n(receiver, 1)
+        await ssn.sync()
+        assert await depth(ssn, "acks") == 4  # the 8th is not due yet
+        await receiver.close()
+        await ssn.sync()
+        assert await depth(ssn, "acks") == 2  # the 7th and 8th accepted at close; 2 never fetched
+        assert [m.body for m in got] == [b"%d" % i for i in range(8)]
 
 
-async def test_credit_goes_back_every_half_capacity(conn):
+async def test_credit_goes_back_every_half_capacity(ssn):
     """A receiver of capacity 10 has at most 10 messages delivered and not yet
     fetched: its credit comes back 5 at a time, at every 5th fetch."""
-    ssn = await conn.session()
-    await ssn.declare_queue("credit")
-    sender = ssn.sender("credit")
-    for i in range(30):
-        await sender.send(b"%d" % i)
-    await sender.sync()
-    receiver = await ssn.receiver("credit", capacity=10)
-    with trio.fail_after(10):
+    with trio.fail_after(TIMEOUT):
+        await ssn.declare_queue("credit")
+        await send_all(ssn, "credit", [b"%d" % i for i in range(30)])
+        receiver = await ssn.receiver("credit", capacity=10)
         await wait_until(lambda: receiver.available() == 10)
-    await fetch_n(receiver, 4)
-    await trio.sleep(0.1)  # no credit went back: nothing more arrives
-    assert receiver.available() == 6
-    await fetch_n(receiver, 1)
-    with trio.fail_after(10):
+        await fetch_n(receiver, 4)
+        await trio.sleep(0.1)  # no credit went back: nothing more arrives
+        assert receiver.available() == 6
+        await fetch_n(receiver, 1)
         await wait_until(lambda: receiver.available() == 10)
-    assert [m.body for m in await fetch_n(receiver, 10)] == [b"%d" % i for i in range(5, 15)]
+        assert [m.body for m in await fetch_n(receiver, 10)] == [b"%d" % i for i in range(5, 15)]
