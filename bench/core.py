@@ -5,7 +5,10 @@ sans-I/O path qflowd runs for each read) for one producer and one consumer
 on one queue, and times what the broker does per message: decode, route,
 enqueue, account, dispatch, encode the delivery, take the accept, dequeue,
 report completions. The consumer's side returns credit and accepts in
-batches of 500, as the client library's ``accept="auto"`` does.
+batches of 500, as the client library's ``accept="auto"`` does, and takes
+deliveries in message.deliver-run frames, as the client library asks
+(``--single-deliveries``: one message.deliver frame each, as a raw client
+that does not ask gets them).
 
 Use it to measure a change to the broker's hot path in isolation: figures
 are microseconds of broker CPU per message, medians of several rounds.
@@ -44,19 +47,20 @@ def _feed(conn: Connection, data: bytes) -> None:
     conn.broker.flush()
 
 
-def _open(conn: Connection) -> None:
+def _open(conn: Connection, deliver_runs: bool = False) -> None:
     pk = msgpack.Packer(use_bin_type=True)
-    _feed(conn, PROTOCOL_HEADER + pk.pack([P.OPEN, {"mechanism": "ANONYMOUS"}]) + pk.pack([P.ATTACH, 0, ""]))
+    _feed(conn, PROTOCOL_HEADER + pk.pack([P.OPEN, {"mechanism": "ANONYMOUS", "deliver_runs": deliver_runs}])
+          + pk.pack([P.ATTACH, 0, ""]))
     conn.encoder.take()
 
 
-def one_round(count: int, size: int, batch: int, arguments: dict) -> float:
+def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: bool = True) -> float:
     """Seconds of broker work for ``count`` messages through one queue."""
     broker = Broker()
     producer = Connection(broker, _FakeStream(), 1 << 20, "producer")
     consumer = Connection(broker, _FakeStream(), 1 << 20, "consumer")
     _open(producer)
-    _open(consumer)
+    _open(consumer, deliver_runs)
     pk = msgpack.Packer(use_bin_type=True)
     _feed(producer, pk.pack([P.QUEUE_DECLARE, 0, "q", False, False, False, arguments, False]))
     _feed(consumer, pk.pack([P.SUBSCRIBE, 0, "q", "d", P.ACCEPT_EXPLICIT, P.ACQUIRE_PRE_ACQUIRED, 0])
@@ -84,7 +88,9 @@ def one_round(count: int, size: int, batch: int, arguments: dict) -> float:
         elapsed += clock() - t0
         unpacker.feed(out)
         for f in unpacker:
-            if f[0] == P.DELIVER:
+            if f[0] == P.DELIVER_RUN:
+                delivered += f[4]
+            elif f[0] == P.DELIVER:
                 delivered += 1
         # the consumer returns credit and accepts every 500 deliveries, as the client does
         reply = b""
@@ -107,13 +113,14 @@ def one_round(count: int, size: int, batch: int, arguments: dict) -> float:
     return elapsed
 
 
-def measure(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int = 3, flow: bool = False) -> dict:
+def measure(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int = 3, flow: bool = False,
+            deliver_runs: bool = True) -> dict:
     """Median broker microseconds per message, in total and split."""
     arguments = {"qpid.flow_stop_count": 100_000_000, "qpid.max_size": 0} if flow else NO_FLOW
     PARTS.clear()
 
     async def run() -> list[float]:
-        return [one_round(count, size, batch, arguments) for _ in range(rounds)]
+        return [one_round(count, size, batch, arguments, deliver_runs) for _ in range(rounds)]
 
     times = trio.run(run)
     return {
@@ -130,8 +137,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=500, help="transfers per read")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--flow", action="store_true", help="flow thresholds configured, never reached")
+    parser.add_argument("--single-deliveries", action="store_true",
+                        help="a consumer that takes one message.deliver frame per message")
     args = parser.parse_args()
-    r = measure(args.count, args.size, args.batch, args.rounds, args.flow)
+    r = measure(args.count, args.size, args.batch, args.rounds, args.flow, not args.single_deliveries)
     print(f"broker core: {r['us_per_msg']:.2f} us/msg ({1e6 / r['us_per_msg']:,.0f} msg/s of broker CPU); "
           f"transfer+deliver {r['transfer_and_deliver_us']} us, accept+credit {r['accept_and_credit_us']} us")
 
