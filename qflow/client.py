@@ -968,7 +968,12 @@ class Receiver:
                 run = self._next_run()
                 i = 0
             j = min(run.count, i + n - len(messages))
-            messages += [ReceivedMessage(run, k) for k in range(i, j)]
+            append = messages.append
+            for k in range(i, j):  # ReceivedMessage(run, k), without calling __init__, as fetch does
+                message = _new(ReceivedMessage)
+                message._run = run
+                message._i = k
+                append(message)
             self._i = j
         self._taken += n
         if self._taken >= self._next_settle:
