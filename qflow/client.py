@@ -909,7 +909,7 @@ class Receiver:
         self._credit_mark = 0
         self._credit_batch = max(1, capacity // 2)  # credit goes back in batches this big
         self._ack_mark = 0
-        self._next_settle = min(self._credit_batch, self.ack_frequency)
+        self._set_next_settle()
         self._to_accept = RangeSet()
         self._spanned = 0  # auto accept: _run's messages before this one are in _to_accept
         self._interval = 1.0 / rate if rate else 0.0
@@ -980,6 +980,9 @@ class Receiver:
             await self._settle()
         return messages
 
+    def _set_next_settle(self) -> None:
+        self._next_settle = min(self._credit_mark + self._credit_batch, self._ack_mark + self.ack_frequency)
+
     async def _settle(self) -> None:
         """Auto-accept what was fetched, give credit back, each when due (at
         least one is: both set _next_settle again)."""
@@ -989,7 +992,7 @@ class Receiver:
         if fetched >= self._credit_batch:
             self.session._send_command(P.FLOW, self.destination, fetched, 0)
             self._credit_mark = self._taken
-            self._next_settle = min(self._credit_mark + self._credit_batch, self._ack_mark + self.ack_frequency)
+            self._set_next_settle()
             await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
 
     def _next_run(self) -> _Deliveries:
@@ -1026,7 +1029,7 @@ class Receiver:
             self.session._send_command(P.ACCEPT, self._to_accept.to_wire())
             self._to_accept = RangeSet()
         self._ack_mark = self._taken
-        self._next_settle = min(self._credit_mark + self._credit_batch, self._ack_mark + self.ack_frequency)
+        self._set_next_settle()
 
     def accept(self, messages: list[ReceivedMessage]) -> None:
         ids = RangeSet()
