@@ -174,6 +174,19 @@ class Pub:
     def wait_hint(self, now: float) -> float:
         return max(0.0, self.pause_until - now) if self.pause_until > now else 1.0
 
+    def awake(self) -> None:
+        """Called as a rest that :meth:`delay` asked for ends. Sleeps overshoot,
+        and by client: an event loop's timer wakes on a whole millisecond
+        (trio.sleep(0.0003) takes 1.2 ms here), time.sleep within 0.1 ms. The
+        overshoot is taken off the next rest rather than counted as work, so
+        every client keeps to the same quarter of its own speed."""
+        if not self.pause_every:
+            return
+        now = time.monotonic()
+        self.overslept += now - self.rest_until
+        self.rested += now - self.batch_start  # batch_start: when the rest began
+        self.batch_start = now
+
     def report(self, t0: float, t1: float, cpu: float, timed_out: bool) -> None:
         _result(role="produce", published=self.published, acked=self.acked, nacked=self.nacked,
                 resends=self.resends, lost=self.count - self.acked, t0=t0, t1=t1, cpu=cpu, timed_out=timed_out)
@@ -194,6 +207,9 @@ class Cons:
         self.slow_factor = spec.get("slow_factor", 3.0)
         self.batch_start = 0.0
         self.paused_at = 0
+        self.rest_until = 0.0  # when the last rest was due to end
+        self.overslept = 0.0  # rest taken beyond what was due, owed back
+        self.rested = 0.0  # seconds spent resting in all
         rate = spec.get("rate") or 0
         self.interval = 1.0 / rate if rate else 0.0
         self.next_slot = 0.0
@@ -228,16 +244,36 @@ class Cons:
                 self.batch_start = time.monotonic()
             elif self.n and self.n % self.pause_every == 0 and self.n != self.paused_at:
                 now = time.monotonic()
-                rest = (now - self.batch_start) * self.slow_factor
-                self.batch_start = now + rest
                 self.paused_at = self.n
+                rest = (now - self.batch_start) * self.slow_factor - self.overslept
+                if rest <= 0:  # still owed from overshoots: work on, owe the rest
+                    self.overslept = -rest
+                    self.batch_start = now
+                    return 0.0
+                self.overslept = 0.0
+                self.rest_until = now + rest
+                self.batch_start = now
                 return rest
         return 0.0
+
+    def awake(self) -> None:
+        """Called as a rest that :meth:`delay` asked for ends. Sleeps overshoot,
+        and by client: an event loop's timer wakes on a whole millisecond
+        (trio.sleep(0.0003) takes 1.2 ms here), time.sleep within 0.1 ms. The
+        overshoot is taken off the next rest rather than counted as work, so
+        every client keeps to the same quarter of its own speed."""
+        if not self.pause_every:
+            return
+        now = time.monotonic()
+        self.overslept += now - self.rest_until
+        self.rested += now - self.batch_start  # batch_start: when the rest began
+        self.batch_start = now
 
     def report(self, t0: float, cpu: float, timed_out: bool) -> None:
         unique = len(self.seen) if self.track else self.n
         _result(role="consume", received=self.n, unique=unique, duplicates=self.n - unique if self.track else 0,
-                t0=t0, t_last=self.t_last or time.monotonic(), cpu=cpu, timed_out=timed_out)
+                t0=t0, t_last=self.t_last or time.monotonic(), cpu=cpu, timed_out=timed_out,
+                rested=round(self.rested, 4))
 
 
 # -- qflow clients (trio) ---------------------------------------------------------
@@ -307,6 +343,7 @@ def qflow_client(spec: dict) -> None:
                         d = cons.delay()
                         if d > 0:
                             await trio.sleep(d)
+                            cons.awake()
                     if got((await fetch()).body):
                         break
             timed_out = scope.cancelled_caught
@@ -391,6 +428,7 @@ def pyamqp_client(spec: dict) -> None:
             d = cons.delay()
             if d > 0:
                 time.sleep(d)
+                cons.awake()
             done = cons.got(msg.body)
             state["unacked"] += 1
             state["tag"] = msg.delivery_info["delivery_tag"]
@@ -515,6 +553,7 @@ def pika_client(spec: dict) -> None:
             d = cons.delay()
             if d > 0:
                 time.sleep(d)
+                cons.awake()
             done = cons.got(body)
             state["unacked"] += 1
             if state["unacked"] >= ack_every or done:
@@ -606,19 +645,26 @@ def aiopika_client(spec: dict) -> None:
             state = {"unacked": 0}
             ack_every = cons.ack_every
 
+            # aio-pika runs each message's callback as its own task: without the lock, one
+            # resting callback would not stop the next from taking messages (no slow
+            # consumer at all), and END could be counted while earlier messages still wait.
+            in_order = asyncio.Lock()  # FIFO: callbacks go one at a time, in delivery order
+
             async def on_message(msg) -> None:
-                if done_ev.is_set():
-                    return
-                d = cons.delay()
-                if d > 0:
-                    await asyncio.sleep(d)
-                done = cons.got(msg.body)
-                state["unacked"] += 1
-                if state["unacked"] >= ack_every or done:
-                    await msg.ack(multiple=True)
-                    state["unacked"] = 0
-                if done:
-                    done_ev.set()
+                async with in_order:
+                    if done_ev.is_set():
+                        return
+                    d = cons.delay()
+                    if d > 0:
+                        await asyncio.sleep(d)
+                        cons.awake()
+                    done = cons.got(msg.body)
+                    state["unacked"] += 1
+                    if state["unacked"] >= ack_every or done:
+                        await msg.ack(multiple=True)
+                        state["unacked"] = 0
+                    if done:
+                        done_ev.set()
 
             await q.consume(on_message, no_ack=False)
             _ready()
@@ -1065,6 +1111,8 @@ class Bench:
             "consumer_cpu_s": round(sum(r["cpu"] for r in consumers), 2),
             "resends": sum(r["resends"] for r in producers), "nacks": sum(r["nacked"] for r in producers),
             **{k: v for k, v in stats.items() if k == "flow_stops"},
+            # the slow consumer's share of the run spent resting (3/4 when it keeps to its pace)
+            **({"consumer_rested": round(consumers[0]["rested"] / elapsed, 2)} if workload == "flow" else {}),
         }
 
     def backpressure(self, lib: str) -> dict:
@@ -1203,6 +1251,7 @@ def main() -> None:
                         results[key][lib].append(r)
                         extra = f", {r['resends']} resends" if r["resends"] else ""
                         extra += f", {r['flow_stops']} flow stops" if r.get("flow_stops") else ""
+                        extra += f", consumer rested {r['consumer_rested']:.0%}" if "consumer_rested" in r else ""
                         log(f"{key:>12} round {rnd + 1} {lib:>8}: {r['msgs_per_s']:>8} msg/s "
                             f"({r['count']} in {r['seconds']} s, broker cpu {r['broker_cpu_s']} s{extra})")
                 speed = {c: statistics.median(x["msgs_per_s"] for x in results[key][c])
@@ -1294,7 +1343,10 @@ def main() -> None:
         "rabbitmq_msgs_per_s": {k: round(med(v[best[k]])) for k, v in results.items() if k in best},
         # the flow workload: how often qflow stopped its producers, how often RabbitMQ's made them resend
         "flow_events": {k: {"qflow_flow_stops": med(v["qflow"], "flow_stops") if v["qflow"] else None,
-                            "rabbitmq_resends": med(v[best[k]], "resends")}
+                            "rabbitmq_resends": med(v[best[k]], "resends"),
+                            # the slow consumers' share of the run spent resting: 0.75 keeps the pace
+                            "qflow_consumer_rested": med(v["qflow"], "consumer_rested") if v["qflow"] else None,
+                            "rabbitmq_consumer_rested": med(v[best[k]], "consumer_rested")}
                         for k, v in results.items() if k.startswith("flow_") and k in best},
         "backpressure": bp_summary,
         "broker_peak_rss": rss,
