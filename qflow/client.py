@@ -738,7 +738,9 @@ class Sender:
             self._raise_errors()
             self._space = trio.Event()
             with trio.move_on_at(min(next_notice, deadline)):
-                await self.session.conn._wait(self._space)
+                # No Connection._wait (a nursery and a task per wait): a session
+                # shutting down sets _space itself (Session._shutdown).
+                await self._space.wait()
                 continue
             now = trio.current_time()
             held = ", ".join(sorted(self.session.held_by)) or "none"
@@ -759,7 +761,7 @@ class Sender:
         while self.incomplete:
             self._raise_errors()
             self._space = trio.Event()
-            await self.session.conn._wait(self._space)
+            await self._space.wait()  # set by a completion or Session._shutdown
         self._raise_errors()
 
     def close(self) -> None:
@@ -1008,7 +1010,7 @@ class Receiver:
             self._flush_acks()
             self._event = trio.Event()
             with trio.move_on_after(math.inf if timeout is None else timeout):
-                await self.session.conn._wait(self._event)
+                await self._event.wait()  # set by deliveries or Session._shutdown
             if not self._buffer:
                 self.session.check()
                 if not self._event.is_set():

@@ -15,6 +15,7 @@ import trio
 
 from qflow import protocol as P
 from qflow.client import (
+    ConnectionClosed,
     NotFound,
     PreconditionFailed,
     ReceivedMessage,
@@ -713,3 +714,39 @@ async def test_credit_goes_back_every_half_capacity(ssn):
         await fetch_n(receiver, 1)
         await wait_until(lambda: receiver.available() == 10)
         assert [m.body for m in await fetch_n(receiver, 10)] == [b"%d" % i for i in range(5, 15)]
+
+
+@pytest.mark.parametrize("waiting", ["send", "sync", "fetch"])
+async def test_a_waiting_call_ends_when_the_broker_goes(running, waiting):
+    """A send waiting for capacity, a sync waiting for held transfers, and a
+    fetch waiting for a message without a timeout each raise ConnectionClosed
+    when the broker drops the connection, rather than wait on."""
+    with trio.fail_after(TIMEOUT):
+        conn = await running.connect()
+        try:
+            ssn = await conn.session()
+            await ssn.declare_queue("gone", arguments={"qpid.flow_stop_count": 1})
+            await ssn.declare_queue("empty")
+            sender = ssn.sender("gone", capacity=2, flow_notify=3600)
+            receiver = await ssn.receiver("empty")
+            for i in range(3):
+                await sender.send(b"%d" % i)  # the first completes, the others are held
+            await wait_until(lambda: sender.incomplete == 2)
+            call = {"send": lambda: sender.send(b"more"), "sync": sender.sync, "fetch": receiver.fetch}[waiting]
+            failed: list[BaseException] = []
+
+            async def wait_in_call() -> None:
+                try:
+                    await call()
+                except ConnectionClosed as exc:
+                    failed.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_in_call)
+                await trio.sleep(0.2)
+                assert not failed  # still waiting
+                for server_side in list(running.server.connections):
+                    await server_side.stream.aclose()
+            assert len(failed) == 1 and "closed by the broker" in str(failed[0]), failed
+        finally:
+            await conn.close()
