@@ -174,19 +174,6 @@ class Pub:
     def wait_hint(self, now: float) -> float:
         return max(0.0, self.pause_until - now) if self.pause_until > now else 1.0
 
-    def awake(self) -> None:
-        """Called as a rest that :meth:`delay` asked for ends. Sleeps overshoot,
-        and by client: an event loop's timer wakes on a whole millisecond
-        (trio.sleep(0.0003) takes 1.2 ms here), time.sleep within 0.1 ms. The
-        overshoot is taken off the next rest rather than counted as work, so
-        every client keeps to the same quarter of its own speed."""
-        if not self.pause_every:
-            return
-        now = time.monotonic()
-        self.overslept += now - self.rest_until
-        self.rested += now - self.batch_start  # batch_start: when the rest began
-        self.batch_start = now
-
     def report(self, t0: float, t1: float, cpu: float, timed_out: bool) -> None:
         _result(role="produce", published=self.published, acked=self.acked, nacked=self.nacked,
                 resends=self.resends, lost=self.count - self.acked, t0=t0, t1=t1, cpu=cpu, timed_out=timed_out)
