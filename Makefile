@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 5672
 
-.PHONY: run test test-python test-native install lint bench bench-smoke bench-compare clean
+.PHONY: run test test-repeat install lint bench bench-smoke bench-compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,14 @@ test: $(STAMP)
 	QFLOW_ACCOUNTING=native $(PY) -m pytest
 	QFLOW_ACCOUNTING=python $(PY) -m pytest -m "not native_only"
 
+# Flakiness check: the suite N times, JOBS at once; lists every test that failed at least once.
+N ?= 10
+JOBS ?= 1
+test-repeat: $(STAMP)
+	$(PY) tools/test_repeat.py -n $(N) --jobs $(JOBS)
+
 lint: $(STAMP)
-	$(PY) -m ruff check qflow cli tests bench native
+	$(PY) -m ruff check qflow cli tests bench native tools
 
 bench: $(STAMP)
 	$(PY) bench/run.py

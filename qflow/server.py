@@ -54,7 +54,11 @@ class Connection:
         self.name = ""
         self.heartbeat = 0
         self._wake = trio.Event()
-        self._closing = False
+        self._closing = False  # the connection is ending: the writer sends what is queued and returns
+        self._close_frame: list[Any] | None = None
+        self._torn = False  # a write was cut off mid-frame: nothing more can be sent
+        self._nursery: trio.Nursery | None = None  # the reader's and writer's, open while run() runs
+        self._heartbeat_scope = trio.CancelScope()
         self.connected_at = trio.current_time()
 
     def wake(self) -> None:
@@ -63,32 +67,40 @@ class Connection:
     async def run(self) -> None:
         """Serve the connection until it ends. Whatever ends it, its sessions
         are closed (deliveries released, held transfers dropped) and the socket
-        is closed: nothing outlives the connection."""
+        is closed: nothing outlives the connection. A close the broker starts
+        (an error, a heartbeat timeout, shutdown) sends ``connection.close``
+        with its code and text, and that frame is the last one sent."""
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._writer)
                 try:
                     await self._reader()
                 except ConnectionError_ as exc:
                     log.info("connection %s closed: %s", self.peer, exc.text)
-                    self.encoder.write([P.CLOSE, exc.code, exc.text])
+                    self._close_with(exc.code, exc.text)
                 except FramingError as exc:
                     log.info("connection %s closed: %s", self.peer, exc)
                     if not self.decoder.header_done:
                         # As AMQP: answer a bad header with our own, then close.
                         self.encoder.write_header()
-                    self.encoder.write([P.CLOSE, exc.code, str(exc)])
+                    self._close_with(exc.code, str(exc))
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
+                    pass  # the peer is gone
+                except trio.Cancelled:
+                    if not self._torn:  # not the writer's doing: the broker is stopping
+                        self._close_with(P.CONNECTION_FORCED, "broker shutting down")
+                    raise
                 except Exception:  # a broker bug: this connection ends, the broker carries on
                     log.exception("connection %s: internal error", self.peer)
-                    self.encoder.write([P.CLOSE, P.INTERNAL_ERROR, "internal broker error"])
+                    self._close_with(P.INTERNAL_ERROR, "internal broker error")
                 finally:
+                    # The writer sends what is already queued, then returns. A peer
+                    # that does not read gets a second before the writer is cancelled.
                     self._closing = True
-                    # The writer may be mid-send: stop it before the last write.
-                    nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass  # the writer found the peer gone
+                    self._heartbeat_scope.cancel()
+                    self.wake()
+                    nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + 1)
         finally:
             with trio.CancelScope(shield=True):
                 try:
@@ -96,9 +108,20 @@ class Connection:
                     self.broker.flush()
                 except Exception:
                     log.exception("connection %s: error while closing its sessions", self.peer)
-                with trio.move_on_after(1):
-                    await self._send_pending()
+                if self._close_frame is not None and not self._torn:
+                    # Written after everything else, and taken with no checkpoint in
+                    # between: nothing (a heartbeat, a completion) can follow it.
+                    self.encoder.write(self._close_frame)
+                    with trio.move_on_after(1):
+                        await self._send_pending()
                 await self.stream.aclose()
+
+    def _close_with(self, code: int, text: str) -> None:
+        """End this connection with ``connection.close`` [code, text]. run()
+        sends the frame last; the first reason given is the one sent."""
+        self._closing = True
+        if self._close_frame is None:
+            self._close_frame = [P.CLOSE, code, text]
 
     def _close_sessions(self) -> None:
         for ssn in list(self.sessions.values()):
@@ -106,22 +129,43 @@ class Connection:
         self.sessions.clear()
 
     async def _send_pending(self) -> None:
-        if self.encoder.parts:
-            try:
-                await self.stream.send_all(self.encoder.take())
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
+        try:
+            await self.stream.send_all(self.encoder.take())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
 
     async def _writer(self) -> None:
+        """Send whatever the encoder gathers, one write per wake-up, until the
+        connection is closing and nothing is left. If a send fails or is
+        cancelled, part of a frame may be on the wire, so the connection is
+        *torn*: nothing more is written to it, not even a close frame."""
         encoder = self.encoder
+        send_all = self.stream.send_all
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
             while encoder.parts:
-                # Closing cancels this task: take nothing then, so run() sends it all
-                # (a cancelled send_all would drop what take() handed it).
-                await trio.lowlevel.checkpoint_if_cancelled()
-                await self.stream.send_all(encoder.take())
+                data = encoder.take()
+                try:
+                    await send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    self._torn = True
+                    self._nursery.cancel_scope.cancel()  # the peer is gone: the reader stops too
+                    return
+                except BaseException:
+                    self._torn = True
+                    raise
+            if self._closing:
+                return
+
+    async def _send_heartbeats(self, interval: float) -> None:
+        # At most one a second, as before: a client asking for less cannot make us spin.
+        interval = max(interval, 1.0)
+        with self._heartbeat_scope:
+            while True:
+                await trio.sleep(interval)
+                self.encoder.write([P.HEARTBEAT])
+                self.wake()
 
     async def _reader(self) -> None:
         receive = self.stream.receive_some
@@ -277,6 +321,8 @@ class Connection:
         self.deliver_runs = deliver_runs
         self.decoder.set_max_frame_size(self.max_frame_size)
         self.opened = True
+        if heartbeat:
+            self._nursery.start_soon(self._send_heartbeats, heartbeat)
         self.encoder.write([P.OPEN_OK, {"heartbeat": heartbeat, "max_frame_size": self.max_frame_size,
                                         "broker": "qflow"}])
         self.wake()
@@ -295,7 +341,6 @@ class Server:
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats)
             task_status.started(listeners[0].socket.getsockname()[1])
             await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
 
@@ -317,13 +362,3 @@ class Server:
             log.exception("connection %s failed", peer)
         finally:
             self.connections.discard(conn)
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await trio.sleep(1)
-            now = trio.current_time()
-            for conn in list(self.connections):
-                if conn.heartbeat and now - getattr(conn, "_last_hb", 0) >= conn.heartbeat:
-                    conn._last_hb = now
-                    conn.encoder.write([P.HEARTBEAT])
-                    conn.wake()
