@@ -25,8 +25,8 @@ import statistics
 import time
 from array import array
 
-from qflow._native_accounting import NativeAccounting
-from qflow.accounting import OP_DEQUEUE, OP_ENQUEUE, OP_TRANSFER1, PyAccounting
+from qflow.broker._native_accounting import NativeAccounting
+from qflow.broker.accounting import OP_DEQUEUE, OP_ENQUEUE, OP_TRANSFER1, PyAccounting
 
 MESSAGES = 100_000
 HELD = 10_000

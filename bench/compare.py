@@ -804,7 +804,7 @@ class QflowSide:
     name = "qflow"
 
     def __init__(self) -> None:
-        from qflow import daemon as qflowd
+        from qflow import testing as qflowd
 
         self.daemon = qflowd.start("--log-level", "warning")  # as `make bench` starts it
         self.proc, self.port = self.daemon.proc, self.daemon.port

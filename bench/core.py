@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from qflow import protocol as P  # noqa: E402
 from qflow.broker import Broker  # noqa: E402
-from qflow.framing import PROTOCOL_HEADER  # noqa: E402
+from qflow.protocol.framing import PROTOCOL_HEADER  # noqa: E402
 from qflow.server import Connection  # noqa: E402
 
 PARTS: list[list[float]] = []  # per round: seconds in [transfers and deliveries, accepts and credit]

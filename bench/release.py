@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from qflow import protocol as P
-from qflow.accounting import PyAccounting, native_available
 from qflow.broker import Broker
-from qflow.framing import FrameEncoder
+from qflow.broker.accounting import PyAccounting, native_available
+from qflow.protocol.framing import FrameEncoder
 
 BIG = 1_000_001  # one message over the byte stop threshold turns the flow on
 
@@ -61,7 +61,7 @@ def one_release(accounting: Any, held: int, sessions: int) -> float:
 def measure(rounds: int = 30, held: int = 10_000, sessions: int = 10) -> dict:
     kinds = {"python": PyAccounting}
     if native_available():
-        from qflow._native_accounting import NativeAccounting
+        from qflow.broker._native_accounting import NativeAccounting
 
         kinds["native"] = NativeAccounting
     times: dict[str, list[float]] = {k: [] for k in kinds}

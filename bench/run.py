@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import qflow  # noqa: E402
-from qflow import daemon as qflowd  # noqa: E402
+from qflow import testing as qflowd  # noqa: E402
 
 
 def spin_loop() -> float:

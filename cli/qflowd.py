@@ -11,22 +11,16 @@ cannot be bound exits 1 with a one-line message.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
-import signal
 import sys
-from collections.abc import Awaitable, Callable
 
 import trio
 
-from qflow.accounting import load_accounting
-from qflow.broker import Broker
-from qflow.flow import FlowDefaults, SettingsError
-from qflow.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
+from qflow.broker.flow import FlowDefaults, SettingsError
 from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
-from qflow.management import ManagementApi, ManagementServer
-from qflow.server import Server
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
+from qflow.server.daemon import ListenError, run
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,44 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except SettingsError as exc:
         p.error(str(exc))
     return args
-
-
-class ListenError(Exception):
-    """A listener could not be opened; main() turns it into one line and exit 1."""
-
-    def __init__(self, what: str, host: str, port: int, exc: OSError) -> None:
-        super().__init__(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}")
-
-
-async def _start(nursery: trio.Nursery, what: str, serve: Callable[..., Awaitable[None]], host: str,
-                 port: int) -> int:
-    try:
-        return await nursery.start(serve, host, port)
-    except OSError as exc:
-        raise ListenError(what, host, port, exc) from None
-
-
-async def run(args: argparse.Namespace) -> None:
-    accounting = load_accounting()
-    logging.getLogger("qflow").info("accounting: %s", accounting.name)
-    broker = Broker(args.defaults, accounting)
-    server = Server(broker, args.max_frame_size)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            port = await _start(nursery, "protocol", server.serve, args.host, args.port)
-            options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
-                       "mgmtTimeout": args.mgmt_timeout}
-            api = ManagementApi(broker, server, options)
-            mgmt = ManagementServer(api, timeout=args.mgmt_timeout)
-            mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
-            api.options["mgmtPort"] = mgmt_port
-            # Long-lived start-up objects need no more cyclic-GC scans.
-            gc.collect()
-            gc.freeze()
-            print(f"qflowd ready port={port} mgmt-port={mgmt_port}", flush=True)
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
 
 
 def main(argv: list[str] | None = None) -> int:

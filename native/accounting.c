@@ -1,6 +1,6 @@
 /* Per-queue flow accounting and transfer completion (see accounting.h).
  *
- * This must stay observably identical to qflow.accounting.PyAccounting: same
+ * This must stay observably identical to qflow.broker.accounting.PyAccounting: same
  * slot reuse order, same tokens, same output order, same errors at the same
  * op. Where the code below looks roundabout, that is usually why.
  *
@@ -165,7 +165,7 @@ static void reset_output(acct_output *out)
 }
 
 /* Space must have been reserved. Coalesces with the previous range exactly
- * like qflow.accounting._add_completion. */
+ * like qflow.broker.accounting._add_completion. */
 static void add_completion(acct_output *out, int64_t session, int64_t command_id)
 {
     if (out->ncompletions) {

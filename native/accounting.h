@@ -1,5 +1,5 @@
 /* Per-queue flow accounting and transfer completion: the C twin of
- * qflow.accounting.PyAccounting. The module docstring of qflow/accounting.py
+ * qflow.broker.accounting.PyAccounting. The module docstring of qflow/broker/accounting.py
  * is the specification (op log format, outputs, hold tokens, drop_session);
  * this header only describes the C boundary.
  *

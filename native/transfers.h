@@ -21,7 +21,7 @@
 
 #define QF_ENTRY_HEAD 19   /* redelivered flag, 0xcf + sequence, 0xcf + body size */
 #define QF_OP_WORDS 5
-#define QF_OP_TRANSFER 1   /* the accounting's op codes (qflow/accounting.py) */
+#define QF_OP_TRANSFER 1   /* the accounting's op codes (qflow/broker/ops.py) */
 #define QF_OP_ENQUEUE 2
 #define QF_OP_END 3
 #define QF_OP_TRANSFER1 4

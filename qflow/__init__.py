@@ -1,33 +1,41 @@
-"""qflow: a message broker with Qpid C++-style producer flow control."""
+"""qflow: a message broker with Qpid C++-style producer flow control.
 
-from qflow.accounting import AccountingError, PyAccounting, load_accounting
-from qflow.broker import Broker
-from qflow.client import (
-    ConnectionClosed,
-    Empty,
-    FlowControlTimeout,
-    InvalidArgument,
-    NotAllowed,
-    NotFound,
-    PreconditionFailed,
-    QflowError,
-    ReceivedMessage,
-    Receiver,
-    ResourceLimitExceeded,
-    ResourceLocked,
-    Sender,
-    Session,
-    connect,
-)
-from qflow.flow import FlowDefaults, QueueSettings, SettingsError
-from qflow.framing import FrameDecoder, FrameEncoder, FramingError
-from qflow.ranges import RangeSet
+The public API is re-exported here. The client's names load the client (and
+trio) on first use, not at ``import qflow``: ``import qflow.protocol``, the
+sans-I/O core, must stay free of trio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AccountingError", "Broker", "ConnectionClosed", "Empty", "FlowControlTimeout", "FlowDefaults", "FrameDecoder",
-    "FrameEncoder", "FramingError", "InvalidArgument", "NotAllowed", "NotFound", "PreconditionFailed",
-    "PyAccounting", "QflowError", "QueueSettings", "RangeSet", "ReceivedMessage", "Receiver",
-    "ResourceLimitExceeded", "ResourceLocked", "Sender", "Session", "SettingsError", "connect", "load_accounting",
-]
+# name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(
+        ("ConnectionClosed", "Empty", "FlowControlTimeout", "InvalidArgument", "NotAllowed", "NotFound",
+         "PreconditionFailed", "QflowError", "ReceivedMessage", "Receiver", "ResourceLimitExceeded",
+         "ResourceLocked", "Sender", "Session", "connect"), "qflow.client"),
+    **dict.fromkeys(("AccountingError", "PyAccounting", "load_accounting"), "qflow.broker.accounting"),
+    "Broker": "qflow.broker",
+    **dict.fromkeys(("FlowDefaults", "QueueSettings", "SettingsError"), "qflow.broker.flow"),
+    **dict.fromkeys(("FrameDecoder", "FrameEncoder", "FramingError"), "qflow.protocol.framing"),
+    "RangeSet": "qflow.protocol.ranges",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -13,10 +13,10 @@ import trio
 
 import qflow
 from qflow.broker import Broker
-from qflow.daemon import Daemon
-from qflow.daemon import start as start_daemon
-from qflow.flow import FlowDefaults
+from qflow.broker.flow import FlowDefaults
 from qflow.server import Server
+from qflow.testing import Daemon
+from qflow.testing import start as start_daemon
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qflow._native_accounting import NativeAccounting
-from qflow.accounting import (
+from qflow.broker._native_accounting import NativeAccounting
+from qflow.broker.accounting import (
     COUNT_MAX,
     OP_DEQUEUE,
     OP_DEQUEUE_N,

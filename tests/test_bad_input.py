@@ -32,7 +32,7 @@ import trio
 
 import qflow
 from qflow import protocol as P
-from qflow.framing import PROTOCOL_HEADER
+from qflow.protocol.framing import PROTOCOL_HEADER
 
 TIMEOUT = 30  # generous: a slow, noisy machine must still pass
 KEPT = 5  # messages the healthy client enqueues before each bad case

@@ -161,8 +161,8 @@ def test_a_plain_transfer_is_encoded_as_the_packer_encodes_it(size):
 
     import msgpack
 
-    from qflow.client import Sender, _bin_header
-    from qflow.framing import FrameEncoder
+    from qflow.client.client import Sender, _bin_header
+    from qflow.protocol.framing import FrameEncoder
     session = types.SimpleNamespace(channel=3, commands=None, conn=types.SimpleNamespace(encoder=FrameEncoder()))
     sender = Sender(session, "amq.direct", "key", 10, None, 5.0, None)
     body = b"b" * size

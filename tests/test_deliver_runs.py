@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qflow
-from qflow import entries as E
 from qflow import protocol as P
 from qflow.broker import Broker
-from qflow.client import ConnectionClosed, _Deliveries
-from qflow.entries import ENTRY_HEAD, EntryError, scan_entries_python
-from qflow.framing import PROTOCOL_HEADER, FrameDecoder
+from qflow.client.client import ConnectionClosed, _Deliveries
+from qflow.protocol import entries as E
+from qflow.protocol.entries import ENTRY_HEAD, EntryError, scan_entries_python
+from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder
 from qflow.server import Connection
 
 pack = msgpack.Packer(use_bin_type=True).pack

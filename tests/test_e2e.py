@@ -24,7 +24,7 @@ from qflow.client import (
     ResourceLocked,
     Session,
 )
-from qflow.framing import PROTOCOL_HEADER
+from qflow.protocol.framing import PROTOCOL_HEADER
 
 TIMEOUT = 30  # generous: a slow, noisy machine must still pass
 NO_FLOW = {"qpid.flow_stop_count": 0}  # explicit zero thresholds: limits without producer flow control

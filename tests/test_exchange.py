@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qflow.exchange import Exchange, topic_matches
+from qflow.broker.exchange import Exchange, topic_matches
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 

@@ -1,4 +1,4 @@
-"""Queue limits and flow thresholds (qflow.flow.resolve, FlowDefaults), by the Qpid C++ manual's examples.
+"""Queue limits and flow thresholds (qflow.broker.flow.resolve, FlowDefaults), by the Qpid C++ manual's examples.
 
 "Producer Flow Control": stop/resume thresholds by default 80%/70% of the queue's maximum; 0 for both
 defaults disables default flow control; ring and ring-strict queues never get thresholds; a queue with
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from qflow.flow import (
+from qflow.broker.flow import (
     MAX_COUNT,
     MAX_SIZE,
     POLICY,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qflow.framing import (
+from qflow.protocol.framing import (
     DEFAULT_MAX_FRAME_SIZE,
     MIN_MAX_FRAME_SIZE,
     PROTOCOL_HEADER,

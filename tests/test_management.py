@@ -22,7 +22,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from qflow.flow import FlowDefaults
+from qflow.broker.flow import FlowDefaults
 from qflow.management import MAX_BODY, ManagementApi, ManagementServer
 from tests.conftest import Running, start_broker, start_qflowd
 

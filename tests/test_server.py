@@ -10,7 +10,7 @@ import trio.testing
 import qflow
 from qflow import protocol as P
 from qflow.broker import Broker
-from qflow.framing import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_HEADER
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_HEADER
 from qflow.server import Connection
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qflow.ranges import RangeSet
-from qflow.session import _MISSING, IncomingCommands, OutgoingCommands
+from qflow.protocol.commands import _MISSING, IncomingCommands, OutgoingCommands
+from qflow.protocol.ranges import RangeSet
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 

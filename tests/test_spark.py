@@ -17,9 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'qflow[spark]')")
-
 import trio  # noqa: E402
 
 import qflow  # noqa: E402

@@ -1,5 +1,5 @@
 """Queued messages are stored as the encoded tail of the delivery frame that
-will carry them (qflow.queue): these tests check that a message comes out as
+will carry them (qflow.broker.queue): these tests check that a message comes out as
 it went in however its transfer was encoded or split, and that the broker's
 bookkeeping of deliveries awaiting accept (consecutive delivery ids in lists)
 handles accepts and releases in any order."""
@@ -12,8 +12,8 @@ import trio
 
 from qflow import protocol as P
 from qflow.broker import BrokerSession
-from qflow.framing import PROTOCOL_HEADER, FrameDecoder, FrameEncoder
-from qflow.queue import seq_of
+from qflow.broker.queue import seq_of
+from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder, FrameEncoder
 
 pytestmark = pytest.mark.native_only  # storage and delivery bookkeeping: the accounting plays no part
 
@@ -173,7 +173,7 @@ def test_encoder_keeps_raw_and_packed_frames_in_order() -> None:
 
 
 def test_entry_head_reads_back() -> None:
-    from qflow.queue import ENTRY_HEAD, REDELIVERED_NO, entry_tail, redelivered, seq_and_size
+    from qflow.broker.queue import ENTRY_HEAD, REDELIVERED_NO, entry_tail, redelivered, seq_and_size
 
     e = ENTRY_HEAD.pack(REDELIVERED_NO, 0xCF, 2**40 + 5, 0xCF, len(BODY)) + TAIL
     assert seq_and_size(e) == (2**40 + 5, len(BODY)) and seq_of(e) == 2**40 + 5

@@ -1,4 +1,4 @@
-"""Runs of transfers taken whole by C (qflow._native_transfers) leave the
+"""Runs of transfers taken whole by C (qflow.broker.transfer_runs) leave the
 broker exactly as the frame-by-frame path does: the same queue entries, the
 same accounting, the same bytes written to every connection (completions,
 exceptions, deliveries), however the stream is split into reads."""
@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qflow import protocol as P
-from qflow import server
-from qflow._native_transfers import TransferRuns  # built by make install, as the accounting is
 from qflow.broker import Broker
-from qflow.framing import PROTOCOL_HEADER, READ_SIZE
+from qflow.broker.transfer_runs import TransferRuns  # built by make install, as the accounting is
+from qflow.protocol.framing import PROTOCOL_HEADER, READ_SIZE
 from qflow.server import Connection
+from qflow.server import connection as server
 
 pytestmark = pytest.mark.native_only  # the accounting is the same either way; once is enough
 

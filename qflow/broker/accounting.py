@@ -63,41 +63,23 @@ from __future__ import annotations
 
 import os
 from array import array
-from typing import Protocol
 
-OP_WORDS = 5
-OP_TRANSFER = 1
-OP_ENQUEUE = 2
-OP_END = 3
-OP_TRANSFER1 = 4
-OP_DEQUEUE = 5
-OP_DEQUEUE_N = 6
-
-COUNT_MAX = 0xFFFFFFFF
-SIZE_MAX = 0xFFFFFFFFFFFFFFFF
-
-Completion = tuple[int, int, int]
-Hold = tuple[int, int, int, int]
-Transition = tuple[int, bool, int, int]
-
-
-class AccountingError(Exception):
-    """An impossible accounting state was requested (underflow, overflow,
-    unknown queue, malformed op). The state is left as it was before the op
-    that failed; ops before it in the same log have been applied."""
-
-
-class Accounting(Protocol):
-    name: str
-
-    def add_queue(self) -> int: ...
-    def remove_queue(self, queue: int) -> list[Completion]: ...
-    def set_thresholds(
-        self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
-    ) -> tuple[list[Completion], list[Transition]]: ...
-    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]: ...
-    def drop_session(self, session: int) -> None: ...
-    def stats(self, queue: int) -> tuple[int, int, bool, int, int]: ...
+from qflow.broker.ops import (  # noqa: F401 - the op log's format, re-exported with the accounting
+    COUNT_MAX,
+    OP_DEQUEUE,
+    OP_DEQUEUE_N,
+    OP_END,
+    OP_ENQUEUE,
+    OP_TRANSFER,
+    OP_TRANSFER1,
+    OP_WORDS,
+    SIZE_MAX,
+    Accounting,
+    AccountingError,
+    Completion,
+    Hold,
+    Transition,
+)
 
 
 class _Queue:
@@ -372,7 +354,7 @@ def load_accounting(kind: str | None = None) -> Accounting:
     if kind == "python":
         return PyAccounting()
     if kind == "native":
-        from qflow._native_accounting import NativeAccounting
+        from qflow.broker._native_accounting import NativeAccounting
 
         return NativeAccounting()
     raise ValueError(f"QFLOW_ACCOUNTING must be 'native' or 'python', not {kind!r}")

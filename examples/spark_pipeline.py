@@ -1,4 +1,4 @@
-"""End-to-end back-pressure through Spark: ``python -m qflow.spark.pipeline``.
+"""End-to-end back-pressure through Spark: ``python examples/spark_pipeline.py``.
 
     producer --> [orders] --> Spark Structured Streaming --> [revenue] --> slow consumer
                   flow                 |  parse JSON, revenue per product       flow
@@ -35,7 +35,7 @@ from typing import Any
 import trio
 
 import qflow
-from qflow import daemon as qflowd
+from qflow import testing as qflowd
 from qflow.spark.datasource import parse_broker
 
 EPOCH_MS = 1_790_000_000_000  # event time of the first order (simulated, so windows close quickly)
@@ -46,7 +46,7 @@ PRODUCTS = ["anvil", "bolt", "cog", "dynamo", "escapement", "flywheel", "gear", 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m qflow.spark.pipeline", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python examples/spark_pipeline.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--broker", help="HOST:PORT of a running qflowd (default: start one on a free loopback port)")
     p.add_argument("--orders", type=int, default=3000, help="orders to publish")

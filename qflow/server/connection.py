@@ -1,4 +1,4 @@
-"""qflowd's network side: trio wraps the sans-I/O core.
+"""One client connection of qflowd: trio wraps the sans-I/O core.
 
 Each connection owns a nursery with a reader (receive up to 256 KiB, decode
 every frame in it, then one ``Broker.flush``) and a writer (sends whatever
@@ -16,16 +16,16 @@ from typing import Any
 import trio
 
 from qflow import protocol as P
-from qflow.broker import _NO_COMPLETE, Broker, BrokerSession
-from qflow.framing import (
-    DEFAULT_MAX_FRAME_SIZE,
+from qflow.broker import Broker, BrokerSession
+from qflow.broker.broker import _NO_COMPLETE
+from qflow.protocol import CommandError
+from qflow.protocol.framing import (
     MIN_MAX_FRAME_SIZE,
     READ_SIZE,
     FrameDecoder,
     FrameEncoder,
     FramingError,
 )
-from qflow.protocol import CommandError
 
 log = logging.getLogger("qflow.server")
 
@@ -59,6 +59,7 @@ class Connection:
         self._torn = False  # a write was cut off mid-frame: nothing more can be sent
         self._nursery: trio.Nursery | None = None  # the reader's and writer's, open while run() runs
         self._heartbeat_scope = trio.CancelScope()
+        self._writer_scope = trio.CancelScope(shield=True)
         self.connected_at = trio.current_time()
 
     def wake(self) -> None:
@@ -100,7 +101,7 @@ class Connection:
                     self._closing = True
                     self._heartbeat_scope.cancel()
                     self.wake()
-                    nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + 1)
+                    self._writer_scope.deadline = trio.current_time() + 1
         finally:
             with trio.CancelScope(shield=True):
                 try:
@@ -136,27 +137,30 @@ class Connection:
 
     async def _writer(self) -> None:
         """Send whatever the encoder gathers, one write per wake-up, until the
-        connection is closing and nothing is left. If a send fails or is
-        cancelled, part of a frame may be on the wire, so the connection is
-        *torn*: nothing more is written to it, not even a close frame."""
+        connection is closing and nothing is left. Shutdown does not cancel it
+        (a send cut short could leave half a frame on the wire); run() stops it
+        by letting it drain, with a deadline for a peer that does not read. If
+        a send fails or the deadline cuts one short, the connection is *torn*:
+        nothing more is written to it, not even a close frame."""
         encoder = self.encoder
         send_all = self.stream.send_all
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while encoder.parts:
-                data = encoder.take()
-                try:
-                    await send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    self._torn = True
-                    self._nursery.cancel_scope.cancel()  # the peer is gone: the reader stops too
+        with self._writer_scope:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while encoder.parts:
+                    data = encoder.take()
+                    try:
+                        await send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        self._torn = True
+                        self._nursery.cancel_scope.cancel()  # the peer is gone: the reader stops too
+                        return
+                    except trio.Cancelled:
+                        self._torn = True
+                        raise
+                if self._closing:
                     return
-                except BaseException:
-                    self._torn = True
-                    raise
-            if self._closing:
-                return
 
     async def _send_heartbeats(self, interval: float) -> None:
         # At most one a second, as before: a client asking for less cannot make us spin.
@@ -326,39 +330,3 @@ class Connection:
         self.encoder.write([P.OPEN_OK, {"heartbeat": heartbeat, "max_frame_size": self.max_frame_size,
                                         "broker": "qflow"}])
         self.wake()
-
-
-class Server:
-    """The broker's listener and its connections."""
-
-    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
-        self.broker = broker
-        self.max_frame_size = max_frame_size
-        self.connections: set[Connection] = set()
-        self.started_at = 0.0
-
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        self.started_at = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            task_status.started(listeners[0].socket.getsockname()[1])
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        try:
-            host, port = stream.socket.getpeername()[:2]
-            peer = f"{host}:{port}"
-        except OSError:
-            peer = "?"
-        conn = Connection(self.broker, stream, self.max_frame_size, peer)
-        self.connections.add(conn)
-        try:
-            stream.socket.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
-        except OSError:
-            pass
-        try:
-            await conn.run()
-        except Exception:
-            log.exception("connection %s failed", peer)
-        finally:
-            self.connections.discard(conn)

@@ -45,8 +45,8 @@ import trio
 from qflow import __version__
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
+from qflow.broker.queue import Queue
 from qflow.protocol import CommandError
-from qflow.queue import Queue
 
 log = logging.getLogger("qflow.management")
 

@@ -26,7 +26,9 @@ import msgpack
 import trio
 
 from qflow import protocol as P
-from qflow.entries import (
+from qflow.protocol import DELIVER, DELIVER_RUN
+from qflow.protocol.commands import OutgoingCommands
+from qflow.protocol.entries import (
     ENTRY_HEAD,
     ENTRY_HEAD_SIZE,
     REDELIVERED_NO,
@@ -35,10 +37,8 @@ from qflow.entries import (
     scan_entries,
     seq_and_size,
 )
-from qflow.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError
-from qflow.protocol import DELIVER, DELIVER_RUN
-from qflow.ranges import RangeSet
-from qflow.session import OutgoingCommands
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FrameDecoder, FrameEncoder, FramingError
+from qflow.protocol.ranges import RangeSet
 
 log = logging.getLogger("qflow.client")
 
@@ -772,7 +772,7 @@ class Sender:
 
 class _Deliveries:
     """The messages of one message.deliver-run frame: ``count`` stored entries
-    back to back in ``blob`` (qflow.entries), delivery ids ``first_id`` on.
+    back to back in ``blob`` (qflow.protocol.entries), delivery ids ``first_id`` on.
     Scanned once; a message's fields are read out of the blob when asked for."""
 
     __slots__ = ("receiver", "first_id", "count", "blob", "offsets")

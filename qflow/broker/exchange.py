@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qflow.queue import Queue
+    from qflow.broker.queue import Queue
 
 EXCHANGE_TYPES = ("direct", "fanout", "topic")
 

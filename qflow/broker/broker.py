@@ -6,7 +6,7 @@ One input batch, as the connection drives it: every frame is handled (a
 transfer appends its enqueues to the op log, never touching the accounting
 itself), then :meth:`Broker.flush` applies the log in one accounting call,
 dispatches to consumers, applies again, and writes one ``session.completed``
-per session that has news. See qflow.accounting for the op log.
+per session that has news. See qflow.broker.accounting for the op log.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from qflow import protocol as P
-from qflow.accounting import (
+from qflow.broker.accounting import (
     OP_DEQUEUE,
     OP_DEQUEUE_N,
     OP_END,
@@ -35,11 +35,9 @@ from qflow.accounting import (
     AccountingError,
     load_accounting,
 )
-from qflow.entries import body_bytes
-from qflow.exchange import EXCHANGE_TYPES, Exchange
-from qflow.flow import FlowDefaults, SettingsError, describe_transition, resolve
-from qflow.protocol import CommandError
-from qflow.queue import (
+from qflow.broker.exchange import EXCHANGE_TYPES, Exchange
+from qflow.broker.flow import FlowDefaults, SettingsError, describe_transition, resolve
+from qflow.broker.queue import (
     ENTRY_HEAD,
     REDELIVERED_NO,
     Consumer,
@@ -49,8 +47,10 @@ from qflow.queue import (
     seq_and_size,
     seq_of,
 )
-from qflow.ranges import RangeSet
-from qflow.session import IncomingCommands
+from qflow.protocol import CommandError
+from qflow.protocol.commands import IncomingCommands
+from qflow.protocol.entries import body_bytes
+from qflow.protocol.ranges import RangeSet
 
 log = logging.getLogger("qflow.broker")
 
@@ -139,7 +139,7 @@ def _load_transfer_runs(enabled: bool | None) -> Any:
     if not enabled:
         return None
     try:
-        from qflow._native_transfers import TransferRuns
+        from qflow.broker.transfer_runs import TransferRuns
     except ImportError:
         return None
     return TransferRuns()
@@ -266,7 +266,7 @@ class Broker:
                 self._trim_ring(q)
 
     def transfer_run(self, sessions: dict[int, BrokerSession], buf: bytes, pos: int, max_frame: int) -> int:
-        """Take the run of transfers at ``buf[pos]`` (see qflow._native_transfers)
+        """Take the run of transfers at ``buf[pos]`` (see qflow.broker.transfer_runs)
         if its queues (one, or several: a fanout) have room for it, or for its
         first messages; returns the bytes taken, 0 if none: the frame at ``pos`` then goes
         through :meth:`transfer` (which also reports every error: a run is
@@ -1051,7 +1051,7 @@ _packer = msgpack.Packer(use_bin_type=True, autoreset=False)
 
 
 def _encode_tail(exchange: str, routing_key: str, properties: dict | None, body: bytes) -> bytes:
-    """A message's encoding as stored after an entry's head (see qflow.queue)."""
+    """A message's encoding as stored after an entry's head (see qflow.broker.queue)."""
     pack = _packer.pack
     pack(exchange)
     pack(routing_key)

@@ -4,7 +4,7 @@ A queue holds its available entries in FIFO order and counts every message
 enqueued and not yet dequeued (available plus acquired-but-unaccepted): that
 is its depth, ``msgDepth``/``byteDepth``. It knows nothing of flow control:
 the broker reports each enqueue and dequeue to the accounting, which keeps
-its own counts and decides (``qflow.accounting``).
+its own counts and decides (``qflow.broker.accounting``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from qflow.entries import (  # noqa: F401 - the entry format is the queue's storage format
+from qflow.broker.flow import QueueSettings
+from qflow.protocol.entries import (  # noqa: F401 - the entry format is the queue's storage format
     ENTRY_HEAD,
     ENTRY_HEAD_SIZE,
     REDELIVERED_NO,
@@ -23,7 +24,6 @@ from qflow.entries import (  # noqa: F401 - the entry format is the queue's stor
     seq_and_size,
     seq_of,
 )
-from qflow.flow import QueueSettings
 
 
 class Consumer:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from qflow.ranges import RangeSet
+from qflow.protocol.ranges import RangeSet
 
 
 class IncomingCommands:

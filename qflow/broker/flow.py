@@ -18,7 +18,7 @@ Decisions where the manual is silent: any of the four ``qpid.flow_*`` keys
 makes the thresholds explicit (defaults then apply to neither unit); a resume
 threshold of 0 or absent equals its stop threshold; on a ring queue the flow
 keys are ignored, as qpidd does. Applying the thresholds to depths is the
-accounting's job (``qflow.accounting``); this module only decides them.
+accounting's job (``qflow.broker.accounting``); this module only decides them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qflow.accounting import COUNT_MAX, SIZE_MAX
+from qflow.broker.accounting import COUNT_MAX, SIZE_MAX
 
 MAX_COUNT = "qpid.max_count"
 MAX_SIZE = "qpid.max_size"

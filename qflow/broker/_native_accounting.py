@@ -1,6 +1,6 @@
 """``NativeAccounting``: ``PyAccounting``'s interface over ``native/accounting.c``.
 
-The specification is the docstring of ``qflow.accounting``. The state lives in
+The specification is the docstring of ``qflow.broker.accounting``. The state lives in
 C; each method is one C call, and ``apply`` hands the whole op log over
 without copying. Results come back in buffers owned by the C state and are
 turned into the same lists of tuples ``PyAccounting`` returns.
@@ -12,7 +12,7 @@ import struct
 from array import array
 
 from qflow._accounting_native import ffi, lib
-from qflow.accounting import (
+from qflow.broker.ops import (
     COUNT_MAX,
     OP_WORDS,
     SIZE_MAX,

@@ -30,7 +30,7 @@ EXCEPTION = 17  # [17, ch, command_id, code, text]
 DELIVER = 18  # [18, ch, destination, delivery_id, redelivered, sequence, size, exchange, routing_key, props, body]
 FLOW_NOTICE = 19  # [19, ch, queue, held]: this session's transfers are (no longer) held by QUEUE
 # [20, ch, destination, first_delivery_id, count, entries]: COUNT deliveries at once, to a connection that
-# asked for them (connection.open's deliver_runs); entries is bin, see qflow.entries
+# asked for them (connection.open's deliver_runs); entries is bin, see qflow.protocol.entries
 DELIVER_RUN = 20
 
 # -- commands: each consumes one command id -----------------------------------

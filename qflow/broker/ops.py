@@ -1,0 +1,46 @@
+"""The accounting's interface and its op log's format: one definition that
+the Python accounting, the C accounting (native/accounting.h) and the C
+transfer scanner (native/transfers.h) share. tests/test_native_layouts.py
+checks the C headers' values against these.
+
+See qflow.broker.accounting for what each op means.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Protocol
+
+OP_WORDS = 5
+OP_TRANSFER = 1
+OP_ENQUEUE = 2
+OP_END = 3
+OP_TRANSFER1 = 4
+OP_DEQUEUE = 5
+OP_DEQUEUE_N = 6
+
+COUNT_MAX = 0xFFFFFFFF
+SIZE_MAX = 0xFFFFFFFFFFFFFFFF
+
+Completion = tuple[int, int, int]
+Hold = tuple[int, int, int, int]
+Transition = tuple[int, bool, int, int]
+
+
+class AccountingError(Exception):
+    """An impossible accounting state was requested (underflow, overflow,
+    unknown queue, malformed op). The state is left as it was before the op
+    that failed; ops before it in the same log have been applied."""
+
+
+class Accounting(Protocol):
+    name: str
+
+    def add_queue(self) -> int: ...
+    def remove_queue(self, queue: int) -> list[Completion]: ...
+    def set_thresholds(
+        self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
+    ) -> tuple[list[Completion], list[Transition]]: ...
+    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]: ...
+    def drop_session(self, session: int) -> None: ...
+    def stats(self, queue: int) -> tuple[int, int, bool, int, int]: ...

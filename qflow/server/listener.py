@@ -1,0 +1,49 @@
+"""qflowd's listener: accepts connections and runs each in its own task."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from qflow.broker import Broker
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.server.connection import Connection
+
+log = logging.getLogger("qflow.server")
+
+
+class Server:
+    """The broker's listener and its connections."""
+
+    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.broker = broker
+        self.max_frame_size = max_frame_size
+        self.connections: set[Connection] = set()
+        self.started_at = 0.0
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.started_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            task_status.started(listeners[0].socket.getsockname()[1])
+            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "?"
+        conn = Connection(self.broker, stream, self.max_frame_size, peer)
+        self.connections.add(conn)
+        try:
+            stream.socket.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
+        except OSError:
+            pass
+        try:
+            await conn.run()
+        except Exception:
+            log.exception("connection %s failed", peer)
+        finally:
+            self.connections.discard(conn)

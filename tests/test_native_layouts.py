@@ -1,0 +1,29 @@
+"""The op codes and record layouts that C and Python share are defined once,
+in qflow/broker/ops.py and qflow/protocol/entries.py; the C headers repeat
+them, and this compares the compiled values with the Python ones."""
+
+from __future__ import annotations
+
+import pytest
+from qflow._accounting_native import lib as accounting  # built by make install
+from qflow._transfers_native import lib as transfers
+
+from qflow.broker import ops
+from qflow.protocol.entries import ENTRY_HEAD_SIZE
+
+pytestmark = pytest.mark.native_only
+
+
+@pytest.mark.parametrize("name", ["OP_WORDS", "OP_TRANSFER", "OP_ENQUEUE", "OP_END", "OP_TRANSFER1", "OP_DEQUEUE",
+                                  "OP_DEQUEUE_N"])
+def test_the_c_accounting_uses_the_python_op_codes(name):
+    assert getattr(accounting, "ACCT_" + name) == getattr(ops, name)
+
+
+@pytest.mark.parametrize("name", ["OP_WORDS", "OP_TRANSFER", "OP_ENQUEUE", "OP_END", "OP_TRANSFER1"])
+def test_the_c_transfer_scanner_writes_the_python_op_codes(name):
+    assert getattr(transfers, "QF_" + name) == getattr(ops, name)
+
+
+def test_the_c_transfer_scanner_writes_the_python_entry_head():
+    assert transfers.QF_ENTRY_HEAD == ENTRY_HEAD_SIZE
