@@ -16,27 +16,16 @@ from typing import Any
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.accounting import PyAccounting, native_available
-from qflow.protocol.framing import FrameEncoder
 
 BIG = 1_000_001  # one message over the byte stop threshold turns the flow on
-
-
-class _Conn:
-    """What the broker needs of a connection: an encoder and wake()."""
-
-    def __init__(self) -> None:
-        self.encoder = FrameEncoder()
-
-    def wake(self) -> None:
-        pass
 
 
 def one_release(accounting: Any, held: int, sessions: int) -> float:
     broker = Broker(accounting=accounting)
     q, _ = broker.declare_queue("q", arguments={"qpid.flow_stop_size": 1_000_000,
                                                 "qpid.flow_resume_size": 100_000, "qpid.max_size": 0})
-    producers = [broker.open_session(_Conn(), 0, f"p{i}") for i in range(sessions)]
-    consumer = broker.open_session(_Conn(), 0, "c")
+    producers = [broker.open_session(0, f"p{i}") for i in range(sessions)]
+    consumer = broker.open_session(0, "c")
     broker.transfer(producers[0], producers[0].commands.receive(), "", "q", None, b"x" * BIG)
     for i in range(held):
         p = producers[i % sessions]
@@ -47,7 +36,7 @@ def one_release(accounting: Any, held: int, sessions: int) -> float:
     broker.execute(consumer, consumer.commands.receive(), P.FLOW, ["d", 1, -1])
     broker.flush()  # delivers the big message only
     for p in producers:
-        p.conn.encoder.take()
+        p.out.take()
     gc.collect()  # the set-up's garbage is not the release's cost
     t0 = time.perf_counter()
     broker.execute(consumer, consumer.commands.receive(), P.ACCEPT, [[0, 0]])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qflow.broker.exchange import Exchange, topic_matches
+from qflow.broker.exchange import new_exchange, topic_matches
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 
@@ -25,14 +25,14 @@ def names(queues: list) -> list[str]:
 
 def test_unknown_type_refused() -> None:
     with pytest.raises(ValueError, match="direct, fanout, topic"):
-        Exchange("x", "headers")
+        new_exchange("x", "headers")
 
 
 # -- direct --------------------------------------------------------------------------------------------------
 
 
 def test_direct_routes_on_exact_key() -> None:
-    ex = Exchange("amq.direct", "direct")
+    ex = new_exchange("amq.direct", "direct")
     a, b, c = Q("a"), Q("b"), Q("c")
     assert ex.bind(a, "k1")
     assert ex.bind(b, "k2")
@@ -46,7 +46,7 @@ def test_direct_routes_on_exact_key() -> None:
 
 
 def test_direct_duplicate_bind() -> None:
-    ex = Exchange("d", "direct")
+    ex = new_exchange("d", "direct")
     a = Q("a")
     assert ex.bind(a, "k")
     assert not ex.bind(a, "k")
@@ -58,7 +58,7 @@ def test_direct_duplicate_bind() -> None:
 
 
 def test_fanout_routes_to_every_bound_queue_once() -> None:
-    ex = Exchange("amq.fanout", "fanout")
+    ex = new_exchange("amq.fanout", "fanout")
     a, b = Q("a"), Q("b")
     assert ex.route("anything") == []
     ex.bind(a, "")
@@ -69,7 +69,7 @@ def test_fanout_routes_to_every_bound_queue_once() -> None:
 
 
 def test_fanout_cache_invalidated() -> None:
-    ex = Exchange("f", "fanout")
+    ex = new_exchange("f", "fanout")
     a, b = Q("a"), Q("b")
     ex.bind(a, "")
     assert names(ex.route("k")) == ["a"]
@@ -135,7 +135,7 @@ TOPIC_CASES = [
 
 @pytest.mark.parametrize(("pattern", "key", "match"), TOPIC_CASES)
 def test_topic_routing(pattern: str, key: str, match: bool) -> None:
-    ex = Exchange("amq.topic", "topic")
+    ex = new_exchange("amq.topic", "topic")
     q = Q("q")
     ex.bind(q, pattern)
     assert ex.route(key) == ([q] if match else []), f"{pattern!r} vs {key!r}"
@@ -150,7 +150,7 @@ def test_topic_matches_on_words() -> None:
 
 
 def test_topic_queue_bound_twice_receives_once() -> None:
-    ex = Exchange("t", "topic")
+    ex = new_exchange("t", "topic")
     a, b = Q("a"), Q("b")
     ex.bind(a, "a.*")
     ex.bind(a, "*.b")
@@ -162,7 +162,7 @@ def test_topic_queue_bound_twice_receives_once() -> None:
 
 
 def test_topic_cache_invalidated_on_bind_and_unbind() -> None:
-    ex = Exchange("t", "topic")
+    ex = new_exchange("t", "topic")
     a, b = Q("a"), Q("b")
     ex.bind(a, "x.*")
     assert names(ex.route("x.y")) == ["a"]  # now cached
@@ -175,7 +175,7 @@ def test_topic_cache_invalidated_on_bind_and_unbind() -> None:
 
 
 def test_topic_many_routing_keys() -> None:
-    ex = Exchange("t", "topic")
+    ex = new_exchange("t", "topic")
     a = Q("a")
     ex.bind(a, "k.*")
     for i in range(10050):  # past the cache bound
@@ -187,7 +187,7 @@ def test_topic_many_routing_keys() -> None:
 
 
 def test_unbind_and_binding_count() -> None:
-    ex = Exchange("t", "topic")
+    ex = new_exchange("t", "topic")
     a, b = Q("a"), Q("b")
     assert ex.binding_count == 0
     ex.bind(a, "k")
@@ -213,7 +213,7 @@ def test_unbind_and_binding_count() -> None:
 
 
 def test_direct_unbind() -> None:
-    ex = Exchange("d", "direct")
+    ex = new_exchange("d", "direct")
     a, b = Q("a"), Q("b")
     ex.bind(a, "k")
     ex.bind(b, "k")

@@ -12,7 +12,7 @@ import trio
 
 from qflow import protocol as P
 from qflow.broker import BrokerSession
-from qflow.broker.queue import seq_of
+from qflow.protocol.entries import seq_of
 from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder, FrameEncoder
 
 pytestmark = pytest.mark.native_only  # storage and delivery bookkeeping: the accounting plays no part
@@ -125,7 +125,7 @@ async def test_accepts_and_releases_in_any_order_keep_the_depth_right(running, s
 
 
 def test_take_unacked_walks_only_what_is_outstanding() -> None:
-    ssn = BrokerSession(None, 0, "s", 0)
+    ssn = BrokerSession(0, "s", 0)
     q1, q2 = object(), object()
     ssn.unacked_base = 100
     ssn.unacked[:] = [b"a", None, b"c", b"d"]
@@ -173,7 +173,7 @@ def test_encoder_keeps_raw_and_packed_frames_in_order() -> None:
 
 
 def test_entry_head_reads_back() -> None:
-    from qflow.broker.queue import ENTRY_HEAD, REDELIVERED_NO, entry_tail, redelivered, seq_and_size
+    from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, entry_tail, redelivered, seq_and_size
 
     e = ENTRY_HEAD.pack(REDELIVERED_NO, 0xCF, 2**40 + 5, 0xCF, len(BODY)) + TAIL
     assert seq_and_size(e) == (2**40 + 5, len(BODY)) and seq_of(e) == 2**40 + 5

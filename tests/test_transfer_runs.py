@@ -86,7 +86,7 @@ def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
                 _feed(conn, chunk[i:i + READ_SIZE])
                 written.append(conn.encoder.take())
         queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring, q.stats(),
-                         broker.acct.stats(q.slot), sorted(q.tokens))
+                         broker.acct.stats(q.slot), sorted(q.flow.tokens))
                   for name, q in broker.queues.items()}
         sessions = {ch: (s.commands.next_id, s.commands.floor, s.next_delivery) for ch, s in conn.sessions.items()}
         return {"queues": queues, "sessions": sessions, "written": b"".join(written), "scanned_runs": broker.runs.found if runs else 0}

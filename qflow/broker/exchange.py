@@ -1,4 +1,5 @@
-"""Exchanges: direct, fanout and topic routing. No I/O.
+"""Exchanges: a registry of types (direct, fanout, topic), each routing a
+message to the queues bound to it. No I/O.
 
 Topic binding keys are dot-separated words where ``*`` matches exactly one
 word and ``#`` matches zero or more, as in AMQP/Qpid.
@@ -11,21 +12,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from qflow.broker.queue import Queue
 
-EXCHANGE_TYPES = ("direct", "fanout", "topic")
-
-
 class Exchange:
-    __slots__ = ("name", "type", "durable", "_bindings", "_cache")
+    """An exchange's bindings; each type (below) says how a message routes
+    through them. ``route`` takes what routing needs of a message (its routing
+    key, and its properties for types that look at them) and returns the
+    destination queues, each once: the same list object for the same answer,
+    so a caller can tell cheaply that the destinations did not change."""
 
-    def __init__(self, name: str, type_: str, durable: bool = False) -> None:
-        if type_ not in EXCHANGE_TYPES:
-            raise ValueError(f"exchange type must be one of {', '.join(EXCHANGE_TYPES)}, not {type_!r}")
+    __slots__ = ("name", "durable", "_bindings", "_cache")
+    type = ""
+
+    def __init__(self, name: str, durable: bool = False) -> None:
         self.name = name
-        self.type = type_
         self.durable = durable
         # binding key -> queues bound with it, in bind order
         self._bindings: dict[str, list[Queue]] = {}
-        self._cache: dict[str, list[Queue]] = {}  # topic: routing key -> queues
+        self._cache: dict[str, list[Queue]] = {}  # routing key -> queues, for types that compute routes
 
     def bind(self, queue: Queue, key: str) -> bool:
         """Add a binding; False if it already existed."""
@@ -61,15 +63,41 @@ class Exchange:
     def binding_count(self) -> int:
         return sum(len(queues) for queues in self._bindings.values())
 
-    def route(self, routing_key: str) -> list[Queue]:
-        """The queues a message with ``routing_key`` goes to, each once."""
-        if self.type == "direct":
-            return self._bindings.get(routing_key, _EMPTY)
-        if self.type == "fanout":
-            cached = self._cache.get("")
-            if cached is None:
-                cached = self._cache[""] = _unique(q for qs in self._bindings.values() for q in qs)
-            return cached
+    def route(self, routing_key: str, properties: dict | None = None) -> list[Queue]:
+        raise NotImplementedError
+
+
+class DirectExchange(Exchange):
+    """A message goes to the queues bound with exactly its routing key."""
+
+    __slots__ = ()
+    type = "direct"
+
+    def route(self, routing_key: str, properties: dict | None = None) -> list[Queue]:
+        return self._bindings.get(routing_key, _EMPTY)
+
+
+class FanoutExchange(Exchange):
+    """A message goes to every bound queue, whatever its routing key."""
+
+    __slots__ = ()
+    type = "fanout"
+
+    def route(self, routing_key: str, properties: dict | None = None) -> list[Queue]:
+        cached = self._cache.get("")
+        if cached is None:
+            cached = self._cache[""] = _unique(q for qs in self._bindings.values() for q in qs)
+        return cached
+
+
+class TopicExchange(Exchange):
+    """A message goes to the queues whose binding pattern matches its routing
+    key: dot-separated words, ``*`` one word, ``#`` zero or more."""
+
+    __slots__ = ()
+    type = "topic"
+
+    def route(self, routing_key: str, properties: dict | None = None) -> list[Queue]:
         cached = self._cache.get(routing_key)
         if cached is None:
             words = _words(routing_key)
@@ -80,6 +108,18 @@ class Exchange:
                 self._cache.clear()
             self._cache[routing_key] = cached
         return cached
+
+
+# The registry of exchange types: a new type is a subclass and a line here.
+EXCHANGE_TYPES: dict[str, type[Exchange]] = {cls.type: cls for cls in (DirectExchange, FanoutExchange, TopicExchange)}
+
+
+def new_exchange(name: str, type_: str, durable: bool = False) -> Exchange:
+    """An exchange of the registered type ``type_``; ValueError for an unknown type."""
+    cls = EXCHANGE_TYPES.get(type_)
+    if cls is None:
+        raise ValueError(f"exchange type must be one of {', '.join(EXCHANGE_TYPES)}, not {type_!r}")
+    return cls(name, durable)
 
 
 _EMPTY: list = []

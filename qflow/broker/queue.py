@@ -2,28 +2,27 @@
 
 A queue holds its available entries in FIFO order and counts every message
 enqueued and not yet dequeued (available plus acquired-but-unaccepted): that
-is its depth, ``msgDepth``/``byteDepth``. It knows nothing of flow control:
-the broker reports each enqueue and dequeue to the accounting, which keeps
-its own counts and decides (``qflow.broker.accounting``).
+is its depth, ``msgDepth``/``byteDepth``, and what its limits are checked
+against. It knows nothing of flow control. It announces each enqueue and
+dequeue to its observers: an op in the flow limits' log (qflow.broker.flow_limit,
+which keeps its own counts, as qpidd's QueueFlowLimit does, and decides), and
+itself in the set of queues with messages for their consumers.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qflow.broker.flow import QueueSettings
-from qflow.protocol.entries import (  # noqa: F401 - the entry format is the queue's storage format
-    ENTRY_HEAD,
-    ENTRY_HEAD_SIZE,
-    REDELIVERED_NO,
-    REDELIVERED_YES,
-    Entry,
-    entry_tail,
-    redelivered,
-    seq_and_size,
-    seq_of,
-)
+from qflow.broker.flow_limit import FlowLimit, pack_op
+from qflow.broker.ops import OP_DEQUEUE, OP_DEQUEUE_N, OP_ENQUEUE, OP_TRANSFER1
+from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, body_bytes, seq_and_size, seq_of
+
+if TYPE_CHECKING:
+    from qflow.broker.flow_limit import FlowControl
+
+_entry_head = ENTRY_HEAD.pack
 
 
 class Consumer:
@@ -51,16 +50,17 @@ class Consumer:
 
 class Queue:
     __slots__ = (
-        "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "slot",
-        "entries", "tokens", "consumers", "next_consumer", "count", "nbytes", "next_seq",
+        "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "flow", "control",
+        "ready", "entries", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
-        "held_sessions", "writers", "route", "worst_warned", "browsers",
+        "route", "browsers",
     )
 
     def __init__(
         self, name: str, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict[str, Any],
-        settings: QueueSettings, slot: int, owner: Any = None,
+        settings: QueueSettings, flow: FlowLimit, control: FlowControl, ready: dict[Queue, None],
+        owner: Any = None,
     ) -> None:
         self.name = name
         self.durable = durable
@@ -72,11 +72,10 @@ class Queue:
         self.max_size = settings.max_size
         self.ring = settings.is_ring
         self.owner = owner
-        self.slot = slot  # the accounting's queue slot
+        self.flow = flow  # its flow limit
+        self.control = control  # where it announces enqueues and dequeues (FlowControl.log)
+        self.ready = ready  # where it announces new messages for its consumers
         self.entries: deque[Entry] = deque()
-        # seq -> the accounting's hold token, for messages whose transfer is held
-        # here: only while this queue's flow is stopped.
-        self.tokens: dict[int, int] = {}
         self.consumers: list[Consumer] = []  # they acquire: each message goes to one
         self.browsers: list[Consumer] = []  # they see every message and take none
         self.next_consumer = 0
@@ -90,10 +89,7 @@ class Queue:
         self.binding_count = 1  # the default exchange's binding
         self.had_consumer = False
         self.deleted = False
-        self.held_sessions: set[Any] = set()  # sessions told their transfers are held here
-        self.writers: dict[Any, int] = {}  # session -> its announced sender capacity
         self.route = (self,)  # the default exchange's routing result, made once
-        self.worst_warned = False
 
     def set_settings(self, settings: QueueSettings) -> None:
         self.settings = settings
@@ -115,8 +111,89 @@ class Queue:
             self.max_size > 0 and self.nbytes + size > self.max_size
         )
 
+    @property
+    def slot(self) -> int:
+        return self.flow.slot
+
+    # -- enqueue and dequeue, announced -----------------------------------------
+    def enqueue(self, tail: bytes, size: int, session: int = -1, command_id: int = 0) -> int:
+        """Append one message (``tail``: its encoding after an entry's head, see
+        qflow.protocol.entries; ``size``: its body's) and announce it; returns its
+        sequence number. With a ``session``, the op is also the whole transfer
+        ``command_id`` of that session (one destination: OP_TRANSFER1); without,
+        it belongs to the transfer the caller has opened in the log. A ring
+        queue may now be over its limit: the caller trims it (:meth:`trim_ring`)
+        once the transfer is closed."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        self.entries.append(_entry_head(REDELIVERED_NO, 0xCF, seq, 0xCF, size) + tail)
+        self.count += 1
+        self.nbytes += size
+        if self.consumers or self.browsers:
+            self.ready[self] = None
+        control = self.control
+        control.log_seqs.append(seq)
+        if session >= 0:
+            control.log += pack_op(OP_TRANSFER1, session, command_id, self.flow.slot, size)
+        else:
+            control.log += pack_op(OP_ENQUEUE, self.flow.slot, size, 0, 0)
+        return seq
+
+    def enqueue_run(self, entries: list[Entry], nbytes: int) -> None:
+        """Append entries made by the transfer scanner (qflow.broker.transfer_runs),
+        which also wrote their announcements into the log."""
+        n = len(entries)
+        self.next_seq += n
+        self.entries.extend(entries)
+        self.count += n
+        self.nbytes += nbytes
+        if self.consumers or self.browsers:
+            self.ready[self] = None
+
+    def dequeue(self, entry: Entry) -> None:
+        """Remove one message for good (accepted, purged, overwritten) and announce it."""
+        seq, size = seq_and_size(entry)
+        self.count -= 1
+        self.nbytes -= size
+        self.total_dequeues += 1
+        self.byte_total_dequeues += size
+        self.control.log += pack_op(OP_DEQUEUE, self.flow.slot, size, self.flow.release_token(seq), 0)
+        self.control.log_seqs.append(None)
+
+    def dequeue_many(self, entries: list[Entry]) -> None:
+        """Dequeue several: those whose transfer is held here one by one (their
+        holds are released), the rest announced as one OP_DEQUEUE_N."""
+        tokens = self.flow.tokens
+        if not tokens:  # the usual case: no transfer held here
+            n, nbytes = len(entries), body_bytes(entries)
+        else:
+            n = nbytes = 0
+            for e in entries:
+                seq, size = seq_and_size(e)
+                if seq in tokens:
+                    self.dequeue(e)
+                else:
+                    n += 1
+                    nbytes += size
+        if n:
+            self.count -= n
+            self.nbytes -= nbytes
+            self.total_dequeues += n
+            self.byte_total_dequeues += nbytes
+            self.control.log += pack_op(OP_DEQUEUE_N, self.flow.slot, nbytes, n, 0)
+            self.control.log_seqs.append(None)
+
+    def trim_ring(self) -> None:
+        """A ring queue over its limit drops its oldest available messages."""
+        s = self.settings
+        entries = self.entries
+        while entries and ((s.max_count and self.count > s.max_count) or (s.max_size and self.nbytes > s.max_size)):
+            self.dequeue(entries.popleft())
+            self.discards_ring += 1
+
     def put_back(self, entry: Entry) -> None:
         """Return an acquired entry to its place in FIFO order (release, session close)."""
+        self.ready[self] = None
         seq = seq_of(entry)
         entries = self.entries
         if not entries or seq_of(entries[0]) > seq:

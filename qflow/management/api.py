@@ -354,7 +354,7 @@ class ManagementApi:
     def queue_view(self, q: Queue) -> dict[str, Any]:
         stats = self.broker.queue_stats(q)
         stats["arguments"] = _jsonable(stats["arguments"])
-        stats["heldSessionCount"] = len(q.held_sessions)
+        stats["heldSessionCount"] = len(q.flow.held_sessions)
         return stats
 
     def _queue(self, name: str) -> Queue:
@@ -483,7 +483,7 @@ class ManagementApi:
         incomplete, held = _incomplete_and_held(ssn)
         held_by = []
         for q in self.broker.queues.values():
-            if ssn in q.held_sessions:
+            if ssn in q.flow.held_sessions:
                 since = ssn.held_since.get(q.name)
                 held_by.append({"queue": q.name, "since": iso(since) if since else None,
                                 "heldSeconds": round(now - since, 3) if since else None})
@@ -522,7 +522,7 @@ class ManagementApi:
                   "connections": len(self._connections()), "sessions": len(b.sessions),
                   "msgDepth": 0, "byteDepth": 0, "msgTotalEnqueues": 0, "msgTotalDequeues": 0,
                   "byteTotalEnqueues": 0, "byteTotalDequeues": 0, "heldTransfers": 0, "flowStoppedQueues": 0,
-                  "heldSessions": len({s for q in b.queues.values() for s in q.held_sessions})}
+                  "heldSessions": len({s for q in b.queues.values() for s in q.flow.held_sessions})}
         for q in b.queues.values():
             _count, _nbytes, flow_on, _stopped, held = b.acct.stats(q.slot)
             totals["msgDepth"] += q.count
@@ -629,7 +629,7 @@ def render_metrics(broker: Broker, connections: list[Any], uptime: float) -> str
     stats = []
     for name, q in sorted(broker.queues.items()):
         s = broker.queue_stats(q)
-        s["heldSessionCount"] = len(q.held_sessions)
+        s["heldSessionCount"] = len(q.flow.held_sessions)
         stats.append((f'{{queue="{_label(name)}"}}', s))
     for metric, type_, help_, key in _QUEUE_METRICS:
         family(metric, type_, help_, [(labels, s[key]) for labels, s in stats])

@@ -137,3 +137,18 @@ def _native() -> Any:
 scan_entries_native, body_bytes_native = _native()
 scan_entries = scan_entries_native or scan_entries_python
 body_bytes = body_bytes_native or body_bytes_python
+
+
+_packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+
+
+def encode_tail(exchange: str, routing_key: str, properties: dict | None, body: bytes) -> bytes:
+    """A message's encoding as stored after an entry's head (see qflow.broker.queue)."""
+    pack = _packer.pack
+    pack(exchange)
+    pack(routing_key)
+    pack(properties)
+    pack(body)
+    tail = _packer.bytes()
+    _packer.reset()
+    return tail

@@ -17,7 +17,7 @@ import trio
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
-from qflow.broker.broker import _NO_COMPLETE
+from qflow.broker.commands import NO_COMPLETE
 from qflow.protocol import CommandError
 from qflow.protocol.framing import (
     MIN_MAX_FRAME_SIZE,
@@ -244,7 +244,7 @@ class Connection:
                 except CommandError as exc:
                     broker.fail(ssn, cid, exc.code, exc.text)
                     continue
-                if result is _NO_COMPLETE:
+                if result is NO_COMPLETE:
                     continue
                 if result is not None:
                     self.encoder.write([P.RESULT, ssn.channel, cid, result])
@@ -278,7 +278,8 @@ class Connection:
             if len(self.sessions) >= MAX_SESSIONS or not 0 <= channel < 65536:
                 raise ConnectionError_(P.RESOURCE_LIMIT_EXCEEDED,
                                        f"session.attach: channel {channel} out of range or too many sessions")
-            self.sessions[channel] = self.broker.open_session(self, channel, frame[2])
+            self.sessions[channel] = self.broker.open_session(channel, frame[2], self.encoder, self.wake,
+                                                              self.deliver_runs, self.max_frame_size)
             self.encoder.write([P.ATTACHED, channel])
             self.wake()
         elif code == P.DETACH:

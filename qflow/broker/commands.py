@@ -1,0 +1,163 @@
+"""The protocol's commands, as the broker runs them: one handler per command
+code, each taking the broker, the session, the command id and the command's
+fields (already checked against the schema, qflow.protocol.spec). A handler
+returns the command's result (or None) and raises CommandError to refuse it.
+No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from qflow import protocol as P
+from qflow.broker.queue import Consumer, Queue
+from qflow.protocol import CommandError
+from qflow.protocol.entries import Entry
+from qflow.protocol.heads import deliver_head, deliver_run_head
+from qflow.protocol.ranges import RangeSet
+
+if TYPE_CHECKING:
+    from qflow.broker.broker import Broker
+    from qflow.broker.session import BrokerSession
+
+NO_COMPLETE = object()  # a handler's result: the command completes later (execution.sync)
+
+
+def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, durable: bool, exclusive: bool,
+                   auto_delete: bool, arguments: dict, passive: bool) -> dict:
+    q, created = broker.declare_queue(queue, durable, exclusive, auto_delete, arguments, passive, owner=ssn)
+    return {"queue": q.name, "created": created}
+
+
+def _queue_delete(broker: Broker, ssn: BrokerSession, cid: int, queue: str, if_empty: bool,
+                  if_unused: bool) -> dict:
+    return {"messages": broker.delete_queue(queue, if_empty, if_unused)}
+
+
+def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: str, sequence: int) -> dict:
+    return {"messages": broker.remove_through(queue, sequence)}
+
+
+def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
+    return {"messages": broker.purge_queue(queue)}
+
+
+def _queue_query(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
+    return broker.queue_stats(broker.queue("queue.query", queue))
+
+
+def _queue_modify(broker: Broker, ssn: BrokerSession, cid: int, queue: str, arguments: dict) -> dict:
+    broker.modify_queue(broker.queue("queue.modify", queue), arguments)
+    return broker.queue_stats(broker.queues[queue])
+
+
+def _exchange_declare(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, type_: str, durable: bool,
+                      passive: bool) -> dict:
+    return {"exchange": exchange, "created": broker.declare_exchange(exchange, type_, durable, passive)}
+
+
+def _exchange_delete(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, if_unused: bool) -> None:
+    broker.delete_exchange(exchange, if_unused)
+
+
+def _bind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: str, key: str) -> None:
+    broker.bind(exchange, queue, key)
+
+
+def _unbind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: str, key: str) -> None:
+    broker.bind(exchange, queue, key, unbind=True)
+
+
+def _subscribe(broker: Broker, ssn: BrokerSession, cid: int, queue: str, destination: str, accept_mode: int,
+               acquire_mode: int, start_sequence: int) -> None:
+    q = broker.queue("message.subscribe", queue)
+    if accept_mode not in (P.ACCEPT_EXPLICIT, P.ACCEPT_NONE):
+        raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: accept_mode must be 0 or 1, not {accept_mode}")
+    if acquire_mode not in (P.ACQUIRE_PRE_ACQUIRED, P.ACQUIRE_NOT_ACQUIRED):
+        raise CommandError(P.INVALID_ARGUMENT,
+                           f"message.subscribe: acquire_mode must be 0 (acquire) or 1 (browse), not {acquire_mode}")
+    if start_sequence < 0:
+        raise CommandError(P.INVALID_ARGUMENT, "message.subscribe: start_sequence must be >= 0")
+    if destination in ssn.consumers:
+        raise CommandError(P.NOT_ALLOWED, f"message.subscribe: destination {destination!r} is already in use")
+    if q.exclusive and q.owner is not ssn:
+        raise CommandError(P.RESOURCE_LOCKED, f"message.subscribe: queue {queue!r} is exclusive to another session")
+    c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
+    c.head = deliver_head(ssn.channel, destination)
+    if ssn.deliver_runs:
+        c.run_head, size = deliver_run_head(ssn.channel, destination)
+        c.run_cap = ssn.max_frame_size - size
+    ssn.consumers[destination] = c
+    if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
+        c.cursor = start_sequence
+        q.browsers.append(c)
+    else:
+        q.consumers.append(c)
+        q.had_consumer = True
+
+
+def _consumer(command: str, ssn: BrokerSession, destination: str) -> Consumer:
+    c = ssn.consumers.get(destination)
+    if c is None:
+        raise CommandError(P.NOT_FOUND, f"{command}: no subscription with destination {destination!r}")
+    return c
+
+
+def _flow(broker: Broker, ssn: BrokerSession, cid: int, destination: str, messages: int, nbytes: int) -> None:
+    c = _consumer("message.flow", ssn, destination)
+    if messages < -1 or nbytes < -1:
+        raise CommandError(P.INVALID_ARGUMENT, "message.flow: credit must be >= 0, or -1 for unlimited")
+    c.credit = -1 if messages == -1 or c.credit == -1 else c.credit + messages
+    c.byte_credit = -1 if nbytes == -1 or c.byte_credit == -1 else c.byte_credit + nbytes
+    c.queue.ready[c.queue] = None
+
+
+def _ids(command: str, wire: list) -> RangeSet:
+    try:
+        return RangeSet.from_wire(wire)
+    except ValueError as exc:
+        raise CommandError(P.INVALID_ARGUMENT, f"{command}: {exc}") from None
+
+
+def _accept(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> None:
+    for first, last in _ids("message.accept", transfers).ranges():
+        broker.accept(*ssn.take_unacked(first, last))
+
+
+def _release(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> None:
+    queues: list[Queue] = []
+    entries: list[Entry] = []
+    for first, last in _ids("message.release", transfers).ranges():
+        qs, es = ssn.take_unacked(first, last)
+        queues += qs
+        entries += es
+    broker.put_back(queues, entries)
+
+
+def _cancel(broker: Broker, ssn: BrokerSession, cid: int, destination: str) -> None:
+    broker.remove_consumer(_consumer("message.cancel", ssn, destination))
+
+
+def _sync(broker: Broker, ssn: BrokerSession, cid: int) -> object:
+    ssn.commands.sync(cid)
+    broker.flow.dirty[ssn] = None  # it may have completed at once: report it at the batch's end
+    return NO_COMPLETE
+
+
+def _sender_capacity(broker: Broker, ssn: BrokerSession, cid: int, capacity: int) -> None:
+    if capacity < 0:
+        raise CommandError(P.INVALID_ARGUMENT, "session.sender-capacity: capacity must be >= 0")
+    ssn.capacity = capacity
+    for q in broker.queues.values():
+        if ssn in q.flow.writers:
+            q.flow.note_writer(q, ssn)
+
+
+HANDLERS: dict[int, Callable[..., Any]] = {
+    P.QUEUE_DECLARE: _queue_declare, P.QUEUE_DELETE: _queue_delete, P.QUEUE_PURGE: _queue_purge,
+    P.QUEUE_QUERY: _queue_query, P.QUEUE_REMOVE_THROUGH: _queue_remove_through, P.QUEUE_MODIFY: _queue_modify,
+    P.EXCHANGE_DECLARE: _exchange_declare, P.EXCHANGE_DELETE: _exchange_delete, P.EXCHANGE_BIND: _bind,
+    P.EXCHANGE_UNBIND: _unbind, P.SUBSCRIBE: _subscribe, P.FLOW: _flow, P.ACCEPT: _accept, P.RELEASE: _release,
+    P.CANCEL: _cancel, P.SYNC: _sync, P.SENDER_CAPACITY: _sender_capacity,
+}

@@ -1,0 +1,101 @@
+"""A session as the broker sees it: its incoming commands, its deliveries
+awaiting accept, its subscriptions, and where its output goes. No I/O.
+
+The model writes a session's output (deliveries, completions, results,
+exceptions, flow notices) into ``out``, a qflow.protocol FrameEncoder that the
+connection gave it, and calls ``wake()`` once per batch that gave it news. The
+model knows nothing of the connection behind those two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from qflow.protocol.commands import IncomingCommands
+from qflow.protocol.entries import Entry
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameEncoder
+from qflow.protocol.heads import transfer_head
+
+if TYPE_CHECKING:
+    from qflow.broker.queue import Consumer, Queue
+
+
+def _nothing() -> None:
+    pass
+
+
+class BrokerSession:
+    """One attached session.
+
+    Deliveries awaiting accept are kept in delivery-id order in two parallel
+    lists (the entry, and its queue), ``unacked[did - unacked_base]``, with
+    None where a delivery was accepted, released or needs no accept. Ids are
+    consecutive per session, so an accept of a range is a walk over a slice.
+    """
+
+    __slots__ = ("channel", "name", "slot", "out", "wake", "deliver_runs", "max_frame_size", "commands",
+                 "next_delivery", "unacked", "unacked_queues", "unacked_base", "unacked_count", "consumers",
+                 "capacity", "closed", "held_since", "last_queues", "transfer_head")
+
+    def __init__(self, channel: int, name: str, slot: int, out: FrameEncoder | None = None,
+                 wake: Callable[[], None] = _nothing, deliver_runs: bool = False,
+                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.channel = channel
+        self.name = name
+        self.slot = slot  # the accounting's session number, never reused
+        self.out = out if out is not None else FrameEncoder()
+        self.wake = wake
+        self.deliver_runs = deliver_runs  # its connection takes message.deliver-run frames
+        self.max_frame_size = max_frame_size
+        self.commands = IncomingCommands()
+        self.next_delivery = 0
+        self.unacked: list[Entry | None] = []
+        self.unacked_queues: list[Queue | None] = []
+        self.unacked_base = 0  # the delivery id of unacked[0]
+        self.unacked_count = 0  # entries in unacked that are not None
+        self.consumers: dict[str, Consumer] = {}
+        self.capacity = 0  # announced by the client's senders
+        self.closed = False
+        self.last_queues: Any = None  # the destinations of its last transfer
+        self.held_since: dict[str, float] = {}  # queue name -> wall time it began holding us (management view)
+        # The rest of a transfer frame after this head is stored as it came.
+        self.transfer_head = transfer_head(channel)
+
+    def take_unacked(self, first: int, last: int) -> tuple[list[Queue], list[Entry]]:
+        """Remove the deliveries awaiting accept with ids in [first, last];
+        returns their queues and entries, in delivery order."""
+        base = self.unacked_base
+        entries, queues = self.unacked, self.unacked_queues
+        lo = max(first, base) - base
+        hi = min(last - base + 1, len(entries))
+        if lo >= hi:
+            return [], []
+        taken_q = queues[lo:hi]
+        taken_e = entries[lo:hi]
+        entries[lo:hi] = queues[lo:hi] = [None] * (hi - lo)
+        if None in taken_e:  # holes: already accepted, released, or needing no accept
+            taken_q = [q for q in taken_q if q is not None]
+            taken_e = [e for e in taken_e if e is not None]
+        if taken_e:
+            self.unacked_count -= len(taken_e)
+            self._trim()
+        return taken_q, taken_e
+
+    def take_all_unacked(self) -> tuple[list[Queue], list[Entry]]:
+        return self.take_unacked(self.unacked_base, self.unacked_base + len(self.unacked))
+
+    def _trim(self) -> None:
+        entries = self.unacked
+        if not self.unacked_count:
+            self.unacked_base += len(entries)
+            entries.clear()
+            self.unacked_queues.clear()
+            return
+        i = 0
+        while entries[i] is None:
+            i += 1
+        if i:
+            del entries[:i]
+            del self.unacked_queues[:i]
+            self.unacked_base += i
