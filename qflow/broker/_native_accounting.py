@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from typing import Any
 
 from qflow._accounting_native import ffi, lib
 from qflow.broker.ops import (
@@ -107,25 +108,14 @@ class NativeAccounting:
 
     # -- results ------------------------------------------------------------
     def _completions(self) -> list[Completion]:
-        out = self._out
-        n = out.ncompletions
-        if not n:
-            return []
-        return list(_iter_completions(_buffer(out.completions, 24 * n)))
+        return _records(self._out.completions, self._out.ncompletions, 24, _iter_completions)
 
     def _holds(self) -> list[Hold]:
-        out = self._out
-        n = out.nholds
-        if not n:
-            return []
-        return list(_iter_holds(_buffer(out.holds, 32 * n)))
+        return _records(self._out.holds, self._out.nholds, 32, _iter_holds)
 
     def _transitions(self) -> list[Transition]:
-        out = self._out
-        n = out.ntransitions
-        if not n:
-            return []
-        return [(q, bool(on), c, b) for q, on, c, b in _iter_transitions(_buffer(out.transitions, 32 * n))]
+        records = _records(self._out.transitions, self._out.ntransitions, 32, _iter_transitions)
+        return [(q, bool(on), c, b) for q, on, c, b in records]
 
     def _check(self, rc: int, queue: int | None = None) -> None:
         """Raise the error PyAccounting raises for status ``rc``; ``queue`` is
@@ -165,3 +155,8 @@ _MESSAGES = {
     lib.ACCT_ERR_UNKNOWN_OP: "op {index}: unknown op code {value}",
     lib.ACCT_ERR_UNTERMINATED: "op log ends inside a transfer",
 }
+
+
+def _records(buffer: Any, n: int, width: int, iterate: Any) -> list:
+    """The ``n`` records of ``width`` bytes in a C output buffer, as tuples."""
+    return list(iterate(_buffer(buffer, width * n))) if n else []

@@ -331,12 +331,7 @@ def _add_range(out: list[Completion], session: int, first: int, last: int) -> No
 
 
 def _add_completion(out: list[Completion], session: int, command_id: int) -> None:
-    if out:
-        s, first, last = out[-1]
-        if s == session and last + 1 == command_id:
-            out[-1] = (s, first, command_id)
-            return
-    out.append((session, command_id, command_id))
+    _add_range(out, session, command_id, command_id)
 
 
 def native_available() -> bool:
