@@ -50,7 +50,7 @@ class Consumer:
 
 class Queue:
     __slots__ = (
-        "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "flow", "control",
+        "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "flow", "slot", "control",
         "ready", "entries", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
@@ -73,6 +73,7 @@ class Queue:
         self.ring = settings.is_ring
         self.owner = owner
         self.flow = flow  # its flow limit
+        self.slot = flow.slot  # the accounting's number for it, at hand for the per-message path
         self.control = control  # where it announces enqueues and dequeues (FlowControl.log)
         self.ready = ready  # where it announces new messages for its consumers
         self.entries: deque[Entry] = deque()
@@ -111,10 +112,6 @@ class Queue:
             self.max_size > 0 and self.nbytes + size > self.max_size
         )
 
-    @property
-    def slot(self) -> int:
-        return self.flow.slot
-
     # -- enqueue and dequeue, announced -----------------------------------------
     def enqueue(self, tail: bytes, size: int, session: int = -1, command_id: int = 0) -> int:
         """Append one message (``tail``: its encoding after an entry's head, see
@@ -134,9 +131,9 @@ class Queue:
         control = self.control
         control.log_seqs.append(seq)
         if session >= 0:
-            control.log += pack_op(OP_TRANSFER1, session, command_id, self.flow.slot, size)
+            control.log += pack_op(OP_TRANSFER1, session, command_id, self.slot, size)
         else:
-            control.log += pack_op(OP_ENQUEUE, self.flow.slot, size, 0, 0)
+            control.log += pack_op(OP_ENQUEUE, self.slot, size, 0, 0)
         return seq
 
     def enqueue_run(self, entries: list[Entry], nbytes: int) -> None:
@@ -157,7 +154,7 @@ class Queue:
         self.nbytes -= size
         self.total_dequeues += 1
         self.byte_total_dequeues += size
-        self.control.log += pack_op(OP_DEQUEUE, self.flow.slot, size, self.flow.release_token(seq), 0)
+        self.control.log += pack_op(OP_DEQUEUE, self.slot, size, self.flow.release_token(seq), 0)
         self.control.log_seqs.append(None)
 
     def dequeue_many(self, entries: list[Entry]) -> None:
@@ -180,7 +177,7 @@ class Queue:
             self.nbytes -= nbytes
             self.total_dequeues += n
             self.byte_total_dequeues += nbytes
-            self.control.log += pack_op(OP_DEQUEUE_N, self.flow.slot, nbytes, n, 0)
+            self.control.log += pack_op(OP_DEQUEUE_N, self.slot, nbytes, n, 0)
             self.control.log_seqs.append(None)
 
     def trim_ring(self) -> None:
