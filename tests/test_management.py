@@ -1,6 +1,7 @@
 """The management HTTP API (qflow.management): the routes, their statuses and
-JSON, the live view of held sessions, /metrics, and a server that stays up
-under malformed, oversized and slow requests.
+JSON, the live view of held sessions, /metrics (and that it shows the JSON's
+numbers), and a server that stays up under malformed, oversized and slow
+requests.
 
 Most tests serve the API in-process (a broker, its protocol server and the
 management server in the test's nursery), speaking HTTP through h11 or raw
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qflow.broker.flow import FlowDefaults
 from qflow.management import MAX_BODY, ManagementApi, ManagementServer
+from qflow.management.metrics import BROKER_METRICS, QUEUE_METRICS
 from tests.conftest import Running, start_broker, start_qflowd
 
 # HTTP behaviour does not depend on the accounting implementation: run once.
@@ -313,6 +315,57 @@ async def test_metrics_parse_with_the_prometheus_parser(mgmt: Mgmt) -> None:
     assert status == 200
     with trio.fail_after(30):
         await sender.sync()
+    await conn.close()
+
+
+async def _agreeing_views(mgmt: Mgmt) -> dict[str, dict[str, Any]]:
+    """Every queue as /api/queues shows it, after checking that /api/queues/{name},
+    /api/broker's totals and every /metrics sample show the same numbers."""
+    _, queues = await mgmt.request("GET", "/api/queues")
+    _, broker = await mgmt.request("GET", "/api/broker")
+    status, text = await mgmt.request("GET", "/metrics")
+    assert status == 200
+    samples = {(s.name, s.labels.get("queue")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    by_name = {q["name"]: q for q in queues}
+    for name, view in by_name.items():
+        assert (await mgmt.request("GET", "/api/queues/" + quote(name, safe="")))[1] == view
+        for metric, _type, _help, key in QUEUE_METRICS:
+            assert samples[(metric, name)] == view[key], (metric, name)
+    totals = broker["totals"]
+    for metric, _help, key in BROKER_METRICS:
+        assert samples[(metric, None)] == totals[key], metric
+    for key in ("msgDepth", "byteDepth", "msgTotalEnqueues", "heldTransfers"):
+        assert totals[key] == sum(q[key] for q in queues), key
+    assert totals["flowStoppedQueues"] == sum(q["flowStopped"] for q in queues)
+    return by_name
+
+
+async def test_json_and_metrics_agree_through_a_flow_stop_and_resume(mgmt: Mgmt) -> None:
+    await mgmt.request("PUT", "/api/queues/held", {"arguments": {"qpid.flow_stop_count": 3,
+                                                                 "qpid.flow_resume_count": 1}})
+    await mgmt.request("PUT", "/api/queues/idle")
+    conn = await mgmt.running.connect()
+    ssn = await conn.session()
+    sender = ssn.sender("held", capacity=5)
+    for _ in range(6):
+        await sender.send(b"abcd")
+    with trio.fail_after(30):  # 3 complete, then flow stops and holds the other 3
+        while (await mgmt.request("GET", "/api/queues/held"))[1]["heldTransfers"] < 3:
+            await trio.sleep(0.05)
+    held = (await _agreeing_views(mgmt))["held"]
+    assert (held["msgDepth"], held["byteDepth"], held["flowStopped"], held["flowStoppedCount"],
+            held["heldTransfers"], held["heldSessionCount"]) == (6, 24, True, 1, 3, 1)
+
+    # A resume through the API releases the held transfers; the views still agree.
+    status, _ = await mgmt.request("PATCH", "/api/queues/held", {"arguments": {"qpid.flow_stop_count": 0,
+                                                                            "qpid.flow_resume_count": 0}})
+    assert status == 200
+    with trio.fail_after(30):
+        await sender.sync()
+    held = (await _agreeing_views(mgmt))["held"]
+    assert (held["msgDepth"], held["flowStopped"], held["flowStoppedCount"], held["heldTransfers"],
+            held["heldSessionCount"]) == (6, False, 1, 0, 0)
     await conn.close()
 
 

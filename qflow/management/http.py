@@ -1,0 +1,203 @@
+"""The management HTTP server: h11 on trio, in front of a ManagementApi.
+
+Everything about HTTP as a transport lives here and nothing about what the
+routes mean: one task per connection, keep-alive and pipelining, bounded
+request line, head, header count and body, a deadline for each request
+(slowloris), a bounded number of connections, and a response for whatever
+the client got wrong. The API it serves is sans-I/O (``api.ManagementApi``):
+this module hands it (method, target, body) and writes back its Response.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+import h11
+import trio
+
+from qflow import __version__
+from qflow.management.api import ManagementApi, Response, error_response
+
+log = logging.getLogger("qflow.management")
+
+DEFAULT_PORT = 8672
+DEFAULT_TIMEOUT = 10.0  # seconds for a whole request to arrive, and for an idle keep-alive connection
+MAX_BODY = 1 << 20  # bytes of request body
+MAX_HEAD = 16 * 1024  # bytes of request line plus headers (h11's own default)
+MAX_TARGET = 8 * 1024  # bytes of request target: a name is at most 255 bytes, 765 percent-encoded
+MAX_HEADERS = 64
+MAX_CONNECTIONS = 64
+READ_SIZE = 64 * 1024
+
+
+class _Reject(Exception):
+    """Stop reading this request: answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ManagementServer:
+    """Serves a ManagementApi over HTTP/1.1.
+
+    Guarantees: a request must arrive whole within ``timeout`` seconds of the
+    previous response (else 408, or a silent close if nothing of it came);
+    heads over 16 KiB (431), targets over 8 KiB (414), more than 64 headers (431) or bodies over 1 MiB
+    (413) are refused without reading further; at most ``max_connections``
+    at once (503 beyond). A faulty request closes its own connection only.
+    """
+
+    def __init__(self, api: ManagementApi, *, timeout: float = DEFAULT_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.api = api
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.active = 0
+
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            if self.active >= self.max_connections:
+                await self._send_raw(stream, error_response(503, "too many management connections"))
+                return
+            self.active += 1
+            try:
+                await self._connection(stream)
+            finally:
+                self.active -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the client went away: nothing to answer
+        except Exception:
+            log.exception("management connection failed")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        while True:
+            received = [False]  # did any byte of this request arrive?
+            request = None
+            with trio.move_on_after(self.timeout) as scope:
+                try:
+                    request = await self._read_request(conn, stream, received)
+                except _Reject as exc:
+                    await self._respond(conn, stream, error_response(exc.status, exc.message), close=True)
+                    await self._linger(stream)
+                    return
+            if scope.cancelled_caught:
+                if received[0] or conn.trailing_data[0] or conn.their_state is not h11.IDLE:
+                    await self._respond(conn, stream, error_response(
+                        408, f"request not received in full within {self.timeout:g} seconds"), close=True)
+                return  # an idle keep-alive connection simply closes
+            if request is None:
+                return
+            method, target, body = request
+            response = self.api.handle(method, target, body)
+            with trio.move_on_after(self.timeout) as scope:
+                await self._respond(conn, stream, response, head=method == "HEAD")
+            if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
+
+    async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream,
+                            received: list[bool]) -> tuple[str, bytes, bytes] | None:
+        request: h11.Request | None = None
+        body = bytearray()
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise _Reject(exc.error_status_hint, f"malformed HTTP request: {exc}") from None
+            if event is h11.NEED_DATA:
+                if request is not None and conn.they_are_waiting_for_100_continue:
+                    await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                data = await stream.receive_some(READ_SIZE)
+                if data:
+                    received[0] = True
+                conn.receive_data(data)
+            elif type(event) is h11.Request:
+                request = event
+                if event.http_version not in (b"1.0", b"1.1"):
+                    raise _Reject(505, f"HTTP/{event.http_version.decode('ascii', 'replace')} is not supported; "
+                                       "use HTTP/1.1")
+                if len(event.target) > MAX_TARGET:
+                    raise _Reject(414, f"request target longer than {MAX_TARGET} bytes")
+                if len(event.headers) > MAX_HEADERS:
+                    raise _Reject(431, f"more than {MAX_HEADERS} header fields")
+                # h11 bounds a head only while it is incomplete; one that arrived whole in a single
+                # read may be longer, so measure it (near enough: line ends and separators count 4).
+                if sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD:
+                    raise _Reject(431, f"request header fields longer than {MAX_HEAD} bytes")
+                length = next((v for k, v in event.headers if k == b"content-length"), None)
+                if length is not None and int(length) > MAX_BODY:  # h11 has checked it is digits
+                    raise _Reject(413, f"request body of {int(length)} bytes exceeds the limit of {MAX_BODY}")
+            elif type(event) is h11.Data:
+                body += event.data
+                if len(body) > MAX_BODY:
+                    raise _Reject(413, f"request body exceeds the limit of {MAX_BODY} bytes")
+            elif type(event) is h11.EndOfMessage:
+                assert request is not None
+                return request.method.decode("ascii", "replace"), bytes(request.target), bytes(body)
+            elif type(event) is h11.ConnectionClosed:
+                return None
+            else:  # PAUSED cannot happen before EndOfMessage; anything else ends the connection
+                return None
+
+    async def _respond(self, conn: h11.Connection, stream: trio.SocketStream, response: Response, *,
+                       close: bool = False, head: bool = False) -> None:
+        headers = _headers(response, close)
+        try:
+            data = conn.send(h11.Response(status_code=response.status, headers=headers,
+                                          reason=_reason(response.status)))
+            if not head:
+                data += conn.send(h11.Data(data=response.body))
+            data += conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            # h11 will not frame a response here (say, after a half-sent one): nothing sane to add.
+            return
+        await stream.send_all(data)
+
+    async def _send_raw(self, stream: trio.SocketStream, response: Response) -> None:
+        head = f"HTTP/1.1 {response.status} {_reason(response.status).decode()}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in _headers(response, True)) + "\r\n"
+        with trio.move_on_after(self.timeout):
+            await stream.send_all(head.encode() + response.body)
+            await self._linger(stream)
+
+    async def _linger(self, stream: trio.SocketStream) -> None:
+        """Half-close and drain a little, so a client still sending the body
+        we refused reads our answer instead of a connection reset."""
+        try:
+            await stream.send_eof()
+            with trio.move_on_after(min(self.timeout, 2.0)):
+                drained = 0
+                while drained < 4 * MAX_BODY:
+                    data = await stream.receive_some(READ_SIZE)
+                    if not data:
+                        break
+                    drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+
+def _headers(response: Response, close: bool) -> list[tuple[str, str]]:
+    headers = [("content-type", response.content_type), ("content-length", str(len(response.body))),
+               ("server", f"qflowd/{__version__}"), ("cache-control", "no-store"), *response.headers]
+    if close:
+        headers.append(("connection", "close"))
+    return headers
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""

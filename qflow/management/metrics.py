@@ -1,0 +1,75 @@
+"""The Prometheus text exposition (format 0.0.4) of ``GET /metrics``, hand-written.
+
+It renders the same views the JSON API serves (``views.broker_view`` and
+``views.queue_view``): each metric names the view field it shows, so
+``/metrics`` and ``/api/queues`` cannot disagree about a number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (metric, type, help, field of the queue view). Counter names end in _total.
+QUEUE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("qflow_queue_depth_messages", "gauge", "Messages on the queue, delivered-unacknowledged included (msgDepth).",
+     "msgDepth"),
+    ("qflow_queue_depth_bytes", "gauge", "Bytes of message bodies on the queue (byteDepth).", "byteDepth"),
+    ("qflow_queue_flow_stopped", "gauge", "1 while the queue's producer flow control is active (flowStopped).",
+     "flowStopped"),
+    ("qflow_queue_flow_stops_total", "counter", "Times flow control became active (flowStoppedCount).",
+     "flowStoppedCount"),
+    ("qflow_queue_held_transfers", "gauge", "Transfers whose completion the queue holds (heldTransfers).",
+     "heldTransfers"),
+    ("qflow_queue_held_sessions", "gauge", "Sessions currently held by the queue's flow control.",
+     "heldSessionCount"),
+    ("qflow_queue_flow_stop_count", "gauge", "Flow stop threshold in messages, 0 = none (flowStopCount).",
+     "flowStopCount"),
+    ("qflow_queue_flow_resume_count", "gauge", "Flow resume threshold in messages (flowResumeCount).",
+     "flowResumeCount"),
+    ("qflow_queue_flow_stop_size", "gauge", "Flow stop threshold in bytes, 0 = none (flowStopSize).",
+     "flowStopSize"),
+    ("qflow_queue_flow_resume_size", "gauge", "Flow resume threshold in bytes (flowResumeSize).", "flowResumeSize"),
+    ("qflow_queue_messages_enqueued_total", "counter", "Messages enqueued (msgTotalEnqueues).", "msgTotalEnqueues"),
+    ("qflow_queue_messages_dequeued_total", "counter", "Messages dequeued (msgTotalDequeues).", "msgTotalDequeues"),
+    ("qflow_queue_bytes_enqueued_total", "counter", "Bytes enqueued (byteTotalEnqueues).", "byteTotalEnqueues"),
+    ("qflow_queue_bytes_dequeued_total", "counter", "Bytes dequeued (byteTotalDequeues).", "byteTotalDequeues"),
+    ("qflow_queue_consumers", "gauge", "Subscriptions on the queue (consumerCount).", "consumerCount"),
+    ("qflow_queue_discards_ring_total", "counter", "Messages a ring policy discarded (discardsRing).",
+     "discardsRing"),
+    ("qflow_queue_discards_overflow_total", "counter", "Transfers refused because the queue was full "
+     "(discardsOverflow).", "discardsOverflow"),
+)
+
+# (metric, help, field of the broker view's totals): broker-wide gauges without labels.
+BROKER_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("qflow_connections", "Open protocol connections.", "connections"),
+    ("qflow_sessions", "Attached sessions.", "sessions"),
+    ("qflow_queues", "Declared queues.", "queues"),
+)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]]) -> str:
+    """Every metric family: the broker-wide ones from ``broker`` (a broker view),
+    then one sample per queue view in ``queues``, labelled ``queue``."""
+    out: list[str] = []
+
+    def family(name: str, type_: str, help_: str, samples: Iterable[tuple[str, Any]]) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {type_}")
+        for labels, value in samples:
+            out.append(f"{name}{labels} {int(value) if type(value) is bool else value}")
+
+    family("qflow_uptime_seconds", "gauge", "Seconds since the broker started.", [("", broker["uptimeSeconds"])])
+    for metric, help_, key in BROKER_METRICS:
+        family(metric, "gauge", help_, [("", broker["totals"][key])])
+    labelled = [(f'{{queue="{_label(view["name"])}"}}', view) for view in queues]
+    for metric, type_, help_, key in QUEUE_METRICS:
+        family(metric, type_, help_, [(labels, view[key]) for labels, view in labelled])
+    return "\n".join(out) + "\n"

@@ -1,0 +1,173 @@
+"""What monitoring shows: one function per view, each a dict built on demand
+from the live broker and protocol server.
+
+The JSON routes (``api``), the Prometheus exposition (``metrics``) and any
+later console all read these views, so a number is computed in one place and
+every reader shows the same value for the same state. Nothing here keeps a
+copy of the broker's state: each call reads the live objects, which is safe
+because it runs on the broker's trio thread between input batches.
+
+The views are pure functions of the live objects and of the clock readings
+passed in: no I/O, no trio. The server is duck-typed (anything with
+``connections``, each having ``peer``, ``name``, ``sessions`` and
+``connected_at`` in trio time), so this package never imports qflow.server.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from qflow import __version__
+from qflow.broker import Broker, BrokerSession
+from qflow.broker.exchange import Exchange
+from qflow.broker.queue import Queue
+
+
+def iso(wall: float) -> str:
+    """A wall-clock time as ISO 8601 UTC with milliseconds, ``...Z``."""
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def jsonable(value: Any) -> Any:
+    """Arguments declared over the protocol may hold msgpack values JSON lacks
+    (bytes, non-string keys, NaN): show them rather than fail the request."""
+    t = type(value)
+    if t in (str, int, bool) or value is None:
+        return value
+    if t is float:
+        return value if math.isfinite(value) else str(value)
+    if t is bytes:
+        return value.decode("utf-8", "backslashreplace")
+    if t in (list, tuple):
+        return [jsonable(v) for v in value]
+    if t is dict:
+        return {k if type(k) is str else str(jsonable(k)): jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+# -- queues, exchanges, bindings -------------------------------------------------
+
+
+def queue_view(broker: Broker, q: Queue) -> dict[str, Any]:
+    """Every statistic of one queue, with QMF names (``msgDepth``,
+    ``flowStopped``, ``heldTransfers``, ...), plus ``heldSessionCount``."""
+    view = broker.queue_stats(q)
+    view["arguments"] = jsonable(view["arguments"])
+    view["heldSessionCount"] = len(q.flow.held_sessions)
+    return view
+
+
+def queue_views(broker: Broker) -> list[dict[str, Any]]:
+    """Every queue's view, ordered by name."""
+    return [queue_view(broker, q) for _, q in sorted(broker.queues.items())]
+
+
+def exchange_view(ex: Exchange) -> dict[str, Any]:
+    return {"name": ex.name, "type": ex.type, "durable": ex.durable, "bindingCount": ex.binding_count}
+
+
+def exchange_views(broker: Broker) -> list[dict[str, Any]]:
+    """Every exchange's view, ordered by name (the default exchange, ``""``, first)."""
+    return [exchange_view(broker.exchanges[name]) for name in sorted(broker.exchanges)]
+
+
+def binding_views(broker: Broker) -> list[dict[str, str]]:
+    """Every binding of a named exchange: ``{exchange, queue, key}``."""
+    return broker.bindings()
+
+
+# -- connections and sessions ------------------------------------------------------
+
+
+def live_connections(server: Any) -> list[Any]:
+    """The server's open protocol connections, oldest first (none without a server)."""
+    conns = getattr(server, "connections", None) or ()
+    return sorted(conns, key=lambda c: c.connected_at)
+
+
+def _incomplete_and_held(ssn: BrokerSession) -> tuple[int, int]:
+    """(incomplete commands, held transfers) of a session.
+
+    Between input batches (which is whenever this runs: the broker flushes
+    before any await) every command is complete except transfers held by flow
+    control and execution.syncs waiting behind them. Both are read from the
+    session's IncomingCommands, not copied, so the view cannot drift.
+    """
+    commands = ssn.commands
+    incomplete = commands.incomplete_count()
+    return incomplete, max(0, incomplete - commands.waiting_syncs)
+
+
+def session_view(broker: Broker, ssn: BrokerSession, now: float) -> dict[str, Any]:
+    """One session: its sender capacity, what is incomplete and held, and which
+    queues hold it since when (``now`` is wall-clock time), longest held first."""
+    incomplete, held = _incomplete_and_held(ssn)
+    held_by = []
+    for q in broker.queues.values():
+        if ssn in q.flow.held_sessions:
+            since = ssn.held_since.get(q.name)
+            held_by.append({"queue": q.name, "since": iso(since) if since else None,
+                            "heldSeconds": round(now - since, 3) if since else None})
+    held_by.sort(key=lambda h: h["heldSeconds"] or 0, reverse=True)
+    return {
+        "channel": ssn.channel, "name": ssn.name, "senderCapacity": ssn.capacity,
+        "incompleteCommands": incomplete, "heldTransfers": held,
+        "unackedDeliveries": ssn.unacked_count, "consumers": sorted(ssn.consumers),
+        "flowStopped": bool(held_by), "heldBy": held_by,
+    }
+
+
+def connection_views(broker: Broker, server: Any, now: float, trio_now: float | None) -> list[dict[str, Any]]:
+    """Every connection with its sessions' views. ``now`` is wall-clock time;
+    ``trio_now`` is trio's clock, which ``connected_at`` is measured on (None
+    outside trio: every connection then shows as just connected)."""
+    out = []
+    for conn in live_connections(server):
+        age = max(0.0, trio_now - conn.connected_at) if trio_now is not None else 0.0
+        out.append({
+            "name": conn.name, "peer": conn.peer, "connectedAt": iso(now - age),
+            "connectedSeconds": round(age, 3),
+            "sessions": [session_view(broker, s, now) for _, s in sorted(conn.sessions.items())],
+        })
+    return out
+
+
+# -- the broker as a whole ------------------------------------------------------------
+
+# The queue statistics the broker view sums over every queue.
+_SUMMED = ("msgDepth", "byteDepth", "msgTotalEnqueues", "msgTotalDequeues", "byteTotalEnqueues",
+           "byteTotalDequeues", "heldTransfers")
+
+
+def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at: float, now: float,
+                queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Version, uptime, the options in force and the totals.
+
+    ``options`` are the daemon's settings (ports, timeouts) to show beside the
+    broker's own defaults. The totals are sums over the queue views, so they
+    agree with ``/api/queues`` by construction; pass ``queues`` when the caller
+    has built them already.
+    """
+    if queues is None:
+        queues = queue_views(broker)
+    d = broker.defaults
+    totals: dict[str, Any] = {
+        "queues": len(broker.queues), "exchanges": len(broker.exchanges), "bindings": len(broker.bindings()),
+        "connections": len(live_connections(server)), "sessions": len(broker.sessions),
+    }
+    totals.update({key: sum(view[key] for view in queues) for key in _SUMMED})
+    totals["flowStoppedQueues"] = sum(bool(view["flowStopped"]) for view in queues)
+    # Distinct sessions: one held by two queues counts once, so this is not a sum of heldSessionCount.
+    totals["heldSessions"] = len({s for q in broker.queues.values() for s in q.flow.held_sessions})
+    return {
+        "name": "qflowd", "version": __version__, "startedAt": iso(started_at),
+        "uptimeSeconds": round(now - started_at, 3),
+        "options": {
+            **options,
+            "defaultFlowStopThreshold": d.stop_pct, "defaultFlowResumeThreshold": d.resume_pct,
+            "defaultQueueLimit": d.queue_limit, "accounting": broker.acct.name,
+        },
+        "totals": totals,
+    }
