@@ -308,7 +308,7 @@ async def test_metrics_parse_with_the_prometheus_parser(mgmt: Mgmt) -> None:
     assert samples[("qflow_queue_depth_messages", weird)] == 0
     assert samples[("qflow_connections", None)] == 1
     assert families["qflow_queue_flow_stopped"].type == "gauge"
-    assert families["qflow_queue_flow_stopped"].type == "gauge"
+    assert families["qflow_queue_held_transfers"].type == "gauge"
     assert families["qflow_queue_messages_enqueued"].type == "counter"
     status, _ = await mgmt.request("PATCH", "/api/queues/plain", {"arguments": {"qpid.flow_stop_count": 0,
                                                                              "qpid.flow_resume_count": 0}})

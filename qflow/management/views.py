@@ -105,11 +105,10 @@ def session_view(broker: Broker, ssn: BrokerSession, now: float) -> dict[str, An
     queues hold it since when (``now`` is wall-clock time), longest held first."""
     incomplete, held = _incomplete_and_held(ssn)
     held_by = []
-    for q in broker.queues.values():
-        if ssn in q.flow.held_sessions:
-            since = ssn.held_since.get(q.name)
-            held_by.append({"queue": q.name, "since": iso(since) if since else None,
-                            "heldSeconds": round(now - since, 3) if since else None})
+    for name, since in ssn.held_since.items():  # what holds it, from the session: not a walk over every queue
+        q = broker.queues.get(name)
+        if q is not None and ssn in q.flow.held_sessions:
+            held_by.append({"queue": name, "since": iso(since), "heldSeconds": round(now - since, 3)})
     held_by.sort(key=lambda h: h["heldSeconds"] or 0, reverse=True)
     return {
         "channel": ssn.channel, "name": ssn.name, "senderCapacity": ssn.capacity,
