@@ -169,7 +169,7 @@ def throughput(count: int, size: int, arguments: dict | None = None, env: dict |
                consumer_rate: float = 0, style: str = "each") -> dict:
     """One producer and one consumer through one queue: msgs/s end to end, from
     the producer's first send to the consumer's last fetch (both processes
-    started and connected before, as bench/compare.py measures)."""
+    started and connected before, as bench/compare measures)."""
     proc, port = start_broker(env=env)
     try:
         trio.run(_declare, port, "bench", arguments or {})
