@@ -92,7 +92,7 @@ def main() -> None:
         rside = RabbitSide(log)
         qside = QflowSide()
         log(f"qflowd ready on 127.0.0.1:{qside.port} (pid {qside.pid})")
-        bench = Bench(args, qside, rside, log)
+        bench = Bench(args, qside, rside, log, spin_loop)
         bench.run_throughput(workloads, available)
         if "backpressure" in workloads:
             bench.run_backpressure(available)

@@ -19,6 +19,18 @@ def us_per_msg(runs: list[dict]) -> float:
     return statistics.median(1e6 * r["broker_cpu_s"] / max(1, r["count"]) for r in runs) if runs else 0
 
 
+def method_lines(args) -> str:
+    """How the qflow side's throughput figures were measured, in the words
+    ``make bench`` uses for its own, and what differs (bench/README.md says why)."""
+    return ("method, qflow side: as make bench's 64b and 1k: 1 producer + 1 consumer process per queue, capacity 1000, "
+            "credit 1000, accept=auto, no flow control;\n"
+            "  Sender.send / Receiver.fetch one message per call, every body read; msg/s = count / (first send -> last "
+            "message received); the median of the rounds.\n"
+            f"  Unlike make bench: each producer publishes for {args.duration:g} s (count: column 'qflow msgs/run'), "
+            "the consumer reads the clock after every message and stops at an END marker, one qflowd serves the "
+            f"whole run with RabbitMQ idle beside it, {args.rounds} round(s).")
+
+
 def report(args, bench, rss: dict, rabbitmq_version: str | None, spin_before: float, spin_after: float) -> None:
     results, best, bp = bench.results, bench.best, bench.bp
     ratios, per_client, rows = {}, collections.defaultdict(dict), []
@@ -36,12 +48,17 @@ def report(args, bench, rss: dict, rabbitmq_version: str | None, spin_before: fl
             if lib != "qflow":
                 per_client[lib][key] = round(med(runs))
         rows.append((key, round(med(by_lib["qflow"])), round(med(by_lib[b])), b, ratios[key],
+                     round(med(by_lib["qflow"], "count")), statistics.median(bench.spins[key]),
                      us_per_msg(by_lib["qflow"]), us_per_msg(by_lib[b])))
     print()
+    print(method_lines(args))
+    print(f"machine-speed probe (bench/run.py's spin loop; lower: a faster machine): {spin_before:.3f} s before the "
+          f"run, {spin_after:.3f} s after; column 'spin s': the median of the probes before each of the row's rounds")
     print("throughput, median msg/s of the rounds; ratio = median of the per-round qflow/RabbitMQ ratios")
-    print(f"{'workload':<13}{'qflow':>9}{'RabbitMQ':>10}  {'client':<9}{'ratio':>7}   broker CPU us/msg: qflow  RabbitMQ")
-    for key, q, rb, b, ratio, qc, rc in rows:
-        print(f"{key:<13}{q:>9}{rb:>10}  {b:<9}{(ratio or 0):>6.1f}x{qc:>27.1f}{rc:>10.1f}")
+    print(f"{'workload':<13}{'qflow':>9}{'RabbitMQ':>10}  {'client':<9}{'ratio':>7}{'qflow msgs/run':>16}{'spin s':>8}"
+          "   broker CPU us/msg: qflow  RabbitMQ")
+    for key, q, rb, b, ratio, n, spin, qc, rc in rows:
+        print(f"{key:<13}{q:>9}{rb:>10}  {b:<9}{(ratio or 0):>6.1f}x{n:>16}{spin:>8.3f}{qc:>27.1f}{rc:>10.1f}")
     if per_client:
         keys = [k for k in results if any(k in v for v in per_client.values())]
         print("RabbitMQ clients, median msg/s: " + "  ".join(
@@ -87,6 +104,11 @@ def report(args, bench, rss: dict, rabbitmq_version: str | None, spin_before: fl
         "duration_s": args.duration,
         "quick": args.quick,
         "spin_loop_s": [round(spin_before, 3), round(spin_after, 3)],
+        "spin_loop_s_per_workload": {k: [round(x, 3) for x in v] for k, v in bench.spins.items()},
+        # RabbitMQ's own CPU while it idled beside each qflow run: load make bench's runs do not have
+        "rabbitmq_idle_cpu_s_during_qflow": {k: med(v["qflow"], "idle_broker_cpu_s") for k, v in results.items()
+                                             if v["qflow"]},
+        "qflow_msgs_per_run": {k: round(med(v["qflow"], "count")) for k, v in results.items() if v["qflow"]},
         "failures": bench.failures,
     }
     print(json.dumps(out))

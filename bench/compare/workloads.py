@@ -117,8 +117,10 @@ class Bench:
     ``results[workload_size][lib]`` (throughput runs), ``bp[lib]`` (back-pressure
     runs), ``best[workload_size]`` (the fastest RabbitMQ client) and ``failures``."""
 
-    def __init__(self, args, qside, rside, log) -> None:
+    def __init__(self, args, qside, rside, log, probe) -> None:
         self.args = args
+        self.probe = probe  # bench/run.py's spin loop: seconds it takes now
+        self.spins: dict[str, list[float]] = collections.defaultdict(list)  # per workload, one per round
         self.sides = {"qflow": qside, "rabbitmq": rside}
         self.log = log
         self.seq = 0
@@ -137,6 +139,7 @@ class Bench:
                 # the winner and any client within --close of it.
                 cands = available if workload == "1p1c" else finalists.get(size_name, available)
                 for rnd in range(args.rounds):
+                    self.spins[key].append(self.probe())
                     for lib in ["qflow", *cands]:  # interleaved: A B [B' B''] A B ...
                         try:
                             r = self.throughput(workload, size_name, lib)
@@ -150,7 +153,8 @@ class Bench:
                         extra += f", {r['flow_stops']} flow stops" if r.get("flow_stops") else ""
                         extra += f", consumer rested {r['consumer_rested']:.0%}" if "consumer_rested" in r else ""
                         log(f"{key:>12} round {rnd + 1} {lib:>8}: {r['msgs_per_s']:>8} msg/s "
-                            f"({r['count']} in {r['seconds']} s, broker cpu {r['broker_cpu_s']} s{extra})")
+                            f"({r['count']} in {r['seconds']} s, broker cpu {r['broker_cpu_s']} s, "
+                            f"the other broker idle beside it {r['idle_broker_cpu_s']} s{extra})")
                 speed = {c: statistics.median(x["msgs_per_s"] for x in results[key][c])
                          for c in cands if results[key][c]}
                 if not speed:
@@ -174,18 +178,23 @@ class Bench:
                 self.log(f"back-pressure round {rnd + 1} {lib:>8}: {json.dumps(r)}")
 
     def _run_on(self, side, specs: list[dict], queues: list[str], arguments: dict,
-                fanout: str | None = None) -> tuple[list[dict], float, dict]:
+                fanout: str | None = None) -> tuple[list[dict], float, float, dict]:
         """Declare the queues, run the clients, delete the queues: (the clients'
-        results, the broker's CPU seconds from go to the last result, its stats)."""
+        results, the broker's CPU seconds from go to the last result, the other
+        broker's meanwhile, the broker's stats)."""
+        # The other broker idles beside every run (make bench has no such
+        # neighbour): its CPU is part of the load the run saw.
+        pids = {name: s.pid for name, s in self.sides.items()}
+        cpu0: dict[str, float] = {}
         side.setup(queues, arguments, fanout)
         try:
-            cpu0 = [0.0]
             results = ClientRun(specs, self.args.client_timeout).run(
-                on_go=lambda: cpu0.__setitem__(0, proc_tree_cpu(side.pid)))
-            broker_cpu = proc_tree_cpu(side.pid) - cpu0[0]
+                on_go=lambda: cpu0.update({n: proc_tree_cpu(p) for n, p in pids.items()}))
+            cpu = {n: proc_tree_cpu(p) - cpu0[n] for n, p in pids.items()}
         finally:
             stats = side.teardown(queues, fanout)
-        return results, broker_cpu, stats
+        (other,) = [n for n in pids if n != side.name]
+        return results, cpu[side.name], cpu[other], stats
 
     def throughput(self, workload: str, size_name: str, lib: str) -> dict:
         """One run of a throughput workload on one side: producers publish for
@@ -197,7 +206,9 @@ class Bench:
         prefix = f"cmp.{self.seq}.{workload}"
         fanout = None
         arguments = QFLOW_PLAIN if lib == "qflow" else {}
-        common = {"lib": lib, "port": side.port, "size": size, "timeout": self.args.client_timeout}
+        common = {"lib": lib, "port": side.port, "size": size, "timeout": self.args.client_timeout,
+                  # no limit, no pacing, no ids: the qflow clients run make bench's loops
+                  "plain": workload != "flow"}
         prod = {**common, "role": "produce", "window": 1000, "exchange": "", "count": self.args.max_count,
                 "duration": self.args.duration, "end": True}
         cons = {**common, "role": "consume", "prefetch": 1000, "ack_every": 500, "ends": 1}
@@ -221,7 +232,7 @@ class Bench:
             specs += [{**prod, "routing_key": queues[0], "tag": t} for t in "ab"]
         else:
             raise ValueError(workload)
-        results, broker_cpu, stats = self._run_on(side, specs, queues, arguments, fanout)
+        results, broker_cpu, idle_cpu, stats = self._run_on(side, specs, queues, arguments, fanout)
         producers = [r for r in results if r["role"] == "produce"]
         consumers = [r for r in results if r["role"] == "consume"]
         if any(r["timed_out"] for r in results):
@@ -237,7 +248,7 @@ class Bench:
         return {
             # fanout: messages published (each was delivered four times)
             "msgs_per_s": round(acked / elapsed), "seconds": round(elapsed, 3), "count": acked,
-            "broker_cpu_s": round(broker_cpu, 2), "producer_cpu_s": round(sum(r["cpu"] for r in producers), 2),
+            "broker_cpu_s": round(broker_cpu, 2), "idle_broker_cpu_s": round(idle_cpu, 2), "producer_cpu_s": round(sum(r["cpu"] for r in producers), 2),
             "consumer_cpu_s": round(sum(r["cpu"] for r in consumers), 2),
             "resends": sum(r["resends"] for r in producers), "nacks": sum(r["nacked"] for r in producers),
             **{k: v for k, v in stats.items() if k == "flow_stops"},
@@ -260,7 +271,7 @@ class Bench:
                    "backoff": self.args.bp_backoff_ms / 1000}
                   for w, n, t in zip(BP_WINDOWS, BP_COUNTS, "abc", strict=True)]
         specs.append({**common, "role": "monitor", "queue": q, "interval": 0.005, "consumer_prefetch": BP_PREFETCH})
-        results, broker_cpu, stats = self._run_on(side, specs, [q], QFLOW_BP if lib == "qflow" else RABBIT_BP)
+        results, broker_cpu, _, stats = self._run_on(side, specs, [q], QFLOW_BP if lib == "qflow" else RABBIT_BP)
         producers = [r for r in results if r["role"] == "produce"]
         (consumer,) = [r for r in results if r["role"] == "consume"]
         (mon,) = [r for r in results if r["role"] == "monitor"]
