@@ -231,9 +231,12 @@ class Cons:
 async def _consume_plain(fetch, cons: Cons) -> None:
     """``Cons.got`` inlined, for the throughput workloads (no pacing, no ids):
     make bench's consumer loop plus only what a run bounded in time needs, the
-    END check and the clock after each message. A call to ``got`` per message
-    costs about as much again as reading the body: a tenth of a qflow
-    consumer's time per message, but under 1 % of a RabbitMQ client's."""
+    END check and the clock. A call to ``got`` per message costs about as much
+    again as reading the body: a tenth of a qflow consumer's time per message,
+    but under 1 % of a RabbitMQ client's. The clock is read every 64 messages,
+    not after each (a clock read is another 5 % of a qflow consumer's time per
+    message): the last data message's time is then early by at most 63
+    messages' work, about 0.1 ms of a run of 0.5 s or more."""
     end, clock = END, time.monotonic
     n, t_last, ends = 0, 0.0, 0
     try:
@@ -245,7 +248,8 @@ async def _consume_plain(fetch, cons: Cons) -> None:
                     return
                 continue
             n += 1
-            t_last = clock()
+            if not n & 63:
+                t_last = clock()
     finally:
         cons.n, cons.ends_seen = n, ends
         cons.t_last = t_last or cons.t_last
