@@ -27,7 +27,7 @@ def method_lines(args) -> str:
             "  Sender.send / Receiver.fetch one message per call, every body read; msg/s = count / (first send -> last "
             "message received); the median of the rounds.\n"
             f"  Unlike make bench: each producer publishes for {args.duration:g} s (count: column 'qflow msgs/run'), "
-            "the consumer reads the clock after every message and stops at an END marker, one qflowd serves the "
+            "the consumer stops at an END marker (reading the clock every 64 messages), one qflowd serves the "
             f"whole run with RabbitMQ idle beside it, {args.rounds} round(s).")
 
 
