@@ -51,7 +51,7 @@ bench-smoke: $(STAMP)
 # Options: make bench-compare COMPARE_ARGS=--quick
 bench-compare: $(STAMP)
 	$(PY) -m pip install --quiet 'pika>=1.3' 'aio-pika>=9' 'amqp>=5.2'
-	$(PY) bench/compare.py $(COMPARE_ARGS)
+	$(PY) bench/compare $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so qflow/_transfers_native*.so

@@ -93,15 +93,19 @@ async def _consume(port: int, queue: str, count: int, capacity: int, rate: float
         ssn = await conn.session()
         receiver = await ssn.receiver(queue, capacity=capacity, accept="auto", rate=rate)
         _ready()
+        # Every body is read, as an application reads its messages: a received
+        # message's fields are read from its frame only when asked for, so a
+        # consumer that never asks measures less than any real one (and less
+        # than bench/compare's, which must look for its END marker).
         if style == "batch":
             fetch_many = receiver.fetch_many
             left = count
             while left:
-                left -= len(await fetch_many(left, timeout=60))
+                left -= len([m.body for m in await fetch_many(left, timeout=60)])
         else:
             fetch = receiver.fetch
             for _ in range(count):
-                await fetch(timeout=60)
+                (await fetch(timeout=60)).body  # noqa: B018 - read, as an application would
         t_last = time.perf_counter()
         await receiver.close()
         await ssn.sync()
@@ -169,7 +173,7 @@ def throughput(count: int, size: int, arguments: dict | None = None, env: dict |
                consumer_rate: float = 0, style: str = "each") -> dict:
     """One producer and one consumer through one queue: msgs/s end to end, from
     the producer's first send to the consumer's last fetch (both processes
-    started and connected before, as bench/compare.py measures)."""
+    started and connected before, as bench/compare measures)."""
     proc, port = start_broker(env=env)
     try:
         trio.run(_declare, port, "bench", arguments or {})
@@ -209,11 +213,25 @@ def queued_memory(count: int) -> dict:
         proc.wait()
 
 
+def method_line(count: int, rounds: int) -> str:
+    """How the throughput figures below it were measured, in the words
+    bench/compare uses for its own (bench/README.md compares the two)."""
+    return (f"method: 1 producer + 1 consumer process, capacity 1000, credit 1000, accept=auto, no flow control "
+            "unless the name says so;\n"
+            f"  Sender.send / Receiver.fetch one message per call (_batch: send_many of {BATCH_BODIES} bodies / "
+            "fetch_many), every body read; msg/s = count / (first send -> last fetch); the median of the rounds.\n"
+            f"  Unlike bench/compare: a fixed count of {count} msgs per run (1k: {count // 2}, flow_cycling: "
+            f"{count // 3}), a fresh qflowd for every run and no other broker beside it, {rounds} round(s).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="a few seconds: check the benchmarks still run")
     parser.add_argument("--count", type=int, default=0, help="messages per throughput run")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--workloads", default="",
+                        help="only these throughput workloads (comma-separated, e.g. 64b), and none of the "
+                             "release, memory and core measurements")
     args = parser.parse_args()
     count = args.count or (2000 if args.smoke else 300_000)
     rounds = 1 if args.smoke else args.rounds
@@ -231,8 +249,16 @@ def main() -> None:
         # a consumer held to 20k msgs/s: the queue cycles between its thresholds
         "64b_flow_cycling": lambda: throughput(count // 3, 64, cycling, consumer_rate=20_000),
     }
+    only = [w for w in args.workloads.split(",") if w]
+    for name in only:
+        if name not in workloads:
+            raise SystemExit(f"unknown workload {name!r}: choose from {', '.join(workloads)}")
+    if only:
+        workloads = {name: workloads[name] for name in only}
     results: dict[str, list[dict]] = {name: [] for name in workloads}
+    spins = []  # the probe at the start of each round: how fast the machine was for that round's runs
     for _ in range(rounds):  # interleaved: A B C ... A B C ...
+        spins.append(spin_loop())
         for name, run in workloads.items():
             results[name].append(run())
     med = {k: statistics.median(r["msgs_per_s"] for r in v) for k, v in results.items()}
@@ -241,8 +267,16 @@ def main() -> None:
         """Median over rounds of a/b, each ratio from runs next to each other."""
         return statistics.median(x["msgs_per_s"] / y["msgs_per_s"] for x, y in zip(results[a], results[b], strict=True))
 
+    print(method_line(count, rounds))
     for name, runs in results.items():
         print(f"{name:>22}: " + "  ".join(f"{r['msgs_per_s']:>8} msg/s" for r in runs) + f"   median {med[name]:.0f}")
+    print(f"{'spin loop, each round':>22}: " + "  ".join(f"{s:>8.3f} s    " for s in spins)
+          + f"   before the run {spin_before:.3f} s (lower: a faster machine)")
+    if only:
+        print(json.dumps({**{f"msgs_per_s_{name}": med[name] for name in workloads}, "count": count, "rounds": rounds,
+                          "spin_loop_s": [round(spin_before, 3), round(spin_loop(), 3)],
+                          "spin_loop_s_rounds": [round(s, 3) for s in spins]}))
+        return
     print(f"{'flow cycles':>22}: {[r['flow_stopped_count'] for r in results['64b_flow_cycling']]}")
     sys.path.insert(0, HERE)
     from release import measure  # noqa: E402 - bench/ is not a package
@@ -276,6 +310,7 @@ def main() -> None:
         "count": count,
         "rounds": rounds,
         "spin_loop_s": [round(spin_before, 3), round(spin_after, 3)],
+        "spin_loop_s_rounds": [round(s, 3) for s in spins],
     }
     print(json.dumps(out))
 

@@ -1,7 +1,8 @@
-"""The slow consumer of ``bench/compare.py``'s flow workload keeps to a quarter
-of its own speed whatever its client's sleep overshoots: the comparison with
-RabbitMQ is only fair if a trio or asyncio consumer (whose timers wake on a
-whole millisecond) rests as long as a ``time.sleep`` one, no longer."""
+"""The slow consumer of ``bench/compare``'s flow workload (its pacing is in
+``bench/compare/clients.py``) keeps to a quarter of its own speed whatever its
+client's sleep overshoots: the comparison with RabbitMQ is only fair if a trio
+or asyncio consumer (whose timers wake on a whole millisecond) rests as long as
+a ``time.sleep`` one, no longer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import os
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("bench_compare", os.path.join(HERE, "..", "bench", "compare.py"))
+_spec = importlib.util.spec_from_file_location("bench_compare_clients",
+                                               os.path.join(HERE, "..", "bench", "compare", "clients.py"))
 compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare)
 
