@@ -494,3 +494,14 @@ def test_a_single_delivery_becomes_an_entry():
     assert entry[offsets[1]:] == b"hi" and entry[0] == 0xC3
     with pytest.raises(ValueError):
         enc.entry_of_deliver([P.DELIVER, 0, "d", 0, False, 1])
+
+
+@pytest.mark.parametrize("role, text", [(Role.SERVER, "connection closed by the client"),
+                                        (Role.CLIENT, "connection closed by the broker")])
+def test_the_end_of_the_stream_ends_the_connection(role, text):
+    conn = ProtocolConnection(role)
+    conn.close(P.INTERNAL_ERROR, "too late to say")
+    with pytest.raises(ConnectionEnd) as info:
+        conn.receive_data(b"", 1.0)
+    assert (info.value.code, info.value.text, info.value.by_peer) == (P.CONNECTION_FORCED, text, True)
+    assert conn.state is State.CLOSED and not conn.write_close()

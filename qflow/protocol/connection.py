@@ -229,7 +229,12 @@ class ProtocolConnection:
 
     # -- input --------------------------------------------------------------------
     def receive_data(self, data: bytes, now: float) -> None:
-        """Bytes from the peer. Raises FramingError (see :meth:`malformed`)."""
+        """Bytes from the peer; ``b""`` when its stream ended (as h11 takes it):
+        that raises ConnectionEnd, with nothing to write. Raises FramingError
+        for bytes that are not a qflow stream (see :meth:`malformed`)."""
+        if not data:
+            self.connection_lost()
+            raise ConnectionEnd(P.CONNECTION_FORCED, _EOF_TEXT[self.role], by_peer=True)
         self._heard_at = now
         self.decoder.feed(data)
 
@@ -501,6 +506,7 @@ class ProtocolConnection:
 
 
 _NONE = object()
+_EOF_TEXT = {Role.SERVER: "connection closed by the client", Role.CLIENT: "connection closed by the broker"}
 _C = ProtocolConnection
 Handler = Callable[[ProtocolConnection, list[Any]], Any]
 

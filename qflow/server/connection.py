@@ -187,10 +187,7 @@ class Connection:
                 data = await receive(READ_SIZE)
             if scope.cancelled_caught:
                 raise protocol.peer_timed_out()
-            if not data:
-                protocol.connection_lost()
-                return
-            protocol.receive_data(data, now())
+            protocol.receive_data(data, now())  # b"" (the client is gone) ends it
             self._handle_frames()
             self.broker.flush()
 
