@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys(
         ("ConnectionClosed", "Empty", "FlowControlTimeout", "InvalidArgument", "NotAllowed", "NotFound",
          "PreconditionFailed", "QflowError", "ReceivedMessage", "Receiver", "ResourceLimitExceeded",
-         "ResourceLocked", "Sender", "Session", "connect"), "qflow.client"),
+         "ResourceLocked", "Sender", "Session", "connect", "open_connection"), "qflow.client"),
     **dict.fromkeys(("AccountingError", "PyAccounting", "load_accounting"), "qflow.broker.accounting"),
     "Broker": "qflow.broker",
     **dict.fromkeys(("FlowDefaults", "QueueSettings", "SettingsError"), "qflow.broker.flow"),

@@ -50,11 +50,9 @@ async def running(nursery: trio.Nursery) -> AsyncIterator[Running]:
 
 @pytest.fixture
 async def conn(running: Running) -> AsyncIterator[qflow.client.Connection]:
-    c = await running.connect()
-    try:
+    """A client connection to ``running``, its tasks in this fixture's nursery (open_connection)."""
+    async with qflow.open_connection(running.host, running.port) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

@@ -161,12 +161,13 @@ def test_a_plain_transfer_is_encoded_as_the_packer_encodes_it(size):
 
     import msgpack
 
-    from qflow.client.client import Sender, _bin_header
+    from qflow.client.sender import Sender
+    from qflow.protocol.encodings import bin_header
     from qflow.protocol.framing import FrameEncoder
     session = types.SimpleNamespace(channel=3, commands=None, conn=types.SimpleNamespace(encoder=FrameEncoder()))
     sender = Sender(session, "amq.direct", "key", 10, None, 5.0, None)
     body = b"b" * size
-    assert sender._head + _bin_header(size) + body == msgpack.packb([30, 3, "amq.direct", "key", None, body])
+    assert sender._head + bin_header(size) + body == msgpack.packb([30, 3, "amq.direct", "key", None, body])
 
 
 async def test_a_senders_exchange_and_routing_key_can_be_changed(running):

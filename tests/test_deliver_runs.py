@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import qflow
 from qflow import protocol as P
 from qflow.broker import Broker
-from qflow.client.client import ConnectionClosed, _Deliveries
+from qflow.client import ConnectionClosed
+from qflow.client.message import _Deliveries
 from qflow.protocol import entries as E
 from qflow.protocol.entries import ENTRY_HEAD, EntryError, scan_entries_python
 from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder

@@ -2,7 +2,7 @@
 and to its browsers. No I/O.
 
 The per-message path: a delivery is the consumer's head (its message.deliver
-frame up to the delivery id, qflow.protocol.heads) and the stored entry,
+frame up to the delivery id, qflow.protocol.encodings) and the stored entry,
 appended to the session's output as two parts and copied once, when the
 encoder joins its parts. A connection that takes message.deliver-run frames
 gets many entries per frame. Deliveries that need no accept are dequeued at

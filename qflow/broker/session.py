@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from qflow.protocol.commands import IncomingCommands
+from qflow.protocol.encodings import transfer_head
 from qflow.protocol.entries import Entry
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameEncoder
-from qflow.protocol.heads import transfer_head
 
 if TYPE_CHECKING:
     from qflow.broker.queue import Consumer, Queue

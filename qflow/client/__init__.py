@@ -1,28 +1,43 @@
 """The trio client: connections, sessions, senders with a capacity, receivers
-with credit."""
+with credit.
 
-from qflow.client.client import (
-    Connection,
+    async with qflow.open_connection("127.0.0.1", 5672) as conn:
+        ssn = await conn.session()
+        await ssn.declare_queue("orders")
+        sender = ssn.sender("orders", capacity=100)
+        await sender.send(b"hello")
+        await sender.sync()
+
+A sender's *capacity* is the number of its transfers that may be incomplete;
+``send`` waits while that many are outstanding. The broker holds completions
+back while a destination queue's flow is stopped, so a sender stops after at
+most ``capacity`` transfers: that is producer flow control.
+
+One module per concept: ``connection`` (open_connection, connect), ``session``,
+``sender``, ``receiver``, ``message`` (what a receiver hands out), ``errors``,
+``pacing`` (rate limits). The protocol's rules are qflow.protocol's.
+"""
+
+from qflow.client.connection import Connection, connect, open_connection
+from qflow.client.errors import (
     ConnectionClosed,
-    Empty,
     FlowControlTimeout,
     InvalidArgument,
     NotAllowed,
     NotFound,
     PreconditionFailed,
     QflowError,
-    ReceivedMessage,
-    Receiver,
     ResourceLimitExceeded,
     ResourceLocked,
-    Sender,
-    Session,
-    connect,
     error_for,
 )
+from qflow.client.message import ReceivedMessage
+from qflow.client.receiver import Empty, Receiver
+from qflow.client.sender import Sender
+from qflow.client.session import Session
 
 __all__ = [
     "Connection", "ConnectionClosed", "Empty", "FlowControlTimeout", "InvalidArgument", "NotAllowed", "NotFound",
     "PreconditionFailed", "QflowError", "ReceivedMessage", "Receiver", "ResourceLimitExceeded", "ResourceLocked",
-    "Sender", "Session", "connect", "error_for",
+    "Sender", "Session", "connect", "error_for", "open_connection",
 ]

@@ -105,11 +105,20 @@ class OutgoingCommands:
         self._done = RangeSet()
 
     def send(self, owner: object = None) -> int:
+        """Number the next command, sent by ``owner``; its id."""
         command_id = self.next_id
         self.next_id = command_id + 1
         if owner is not self.last_owner:
             self.new_run(command_id, owner)
         return command_id
+
+    def send_run(self, owner: object, n: int) -> int:
+        """Number the next ``n`` commands, all sent by ``owner``; the first id."""
+        first = self.next_id
+        self.next_id = first + n
+        if owner is not self.last_owner:
+            self.new_run(first, owner)
+        return first
 
     def new_run(self, first: int, owner: object) -> None:
         """Ids from ``first`` on belong to ``owner`` (the per-message path

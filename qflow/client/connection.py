@@ -1,0 +1,331 @@
+"""Client connections: the client role of the protocol state machine
+(qflow.protocol.connection), served over a TCP stream by tasks that the
+connection owns.
+
+    async with qflow.open_connection("127.0.0.1", 5672) as conn:
+        ssn = await conn.session()
+        ...
+
+``open_connection`` opens a nursery in the caller's task: the connection's
+reader, writer and heartbeats run in it and end with the ``async with``
+block. Nothing of the connection outlives the block, and nothing it does goes
+only to a log: an error of the connection (the broker's close, a lost
+socket, bad data, a silent broker, a bug in these tasks) becomes
+``ConnectionClosed``, raised by every call waiting on the connection and by
+every later one.
+
+``connect()`` is the older style, ``await qflow.connect(...)`` with no block
+around the connection's life: see its docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from qflow import protocol as P
+from qflow.client.errors import ConnectionClosed
+from qflow.client.message import _Deliveries
+from qflow.client.session import Session
+from qflow.protocol import DELIVER, DELIVER_RUN
+from qflow.protocol.connection import (
+    Completed,
+    ConnectionEnd,
+    Failed,
+    FlowNotice,
+    Opened,
+    ProtocolConnection,
+    Result,
+    Role,
+    SessionAttached,
+    SessionDetached,
+    State,
+)
+from qflow.protocol.entries import EntryError
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingError
+
+CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
+
+
+@asynccontextmanager
+async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", heartbeat: float = 0,
+                          max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> AsyncIterator[Connection]:
+    """Connect (ANONYMOUS), wait for the broker's connection.open-ok, and yield
+    the connection; leaving the block closes it.
+
+    The connection's tasks run in a nursery opened here, so they end with
+    the block. An exception from the block propagates as itself (not in an
+    exception group). Raises ConnectionClosed if the broker refuses the
+    connection, OSError if it cannot be reached, and ConnectionClosed on
+    leaving the block if the connection's own tasks failed (a client bug,
+    the original error as its ``__cause__``) and the block did not raise.
+    """
+    stream = await trio.open_tcp_stream(host, port)
+    conn = Connection(stream, name, heartbeat, max_frame_size)
+    raised: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn._serve)
+            try:
+                await conn._handshake()
+                yield conn
+            finally:
+                await conn.close()
+    except BaseExceptionGroup as group:
+        # The connection's tasks never raise (they end the connection instead):
+        # a group holds what the block raised, which the caller expects bare.
+        if len(group.exceptions) != 1:
+            raise
+        raised = group.exceptions[0]
+    if raised is not None:
+        raise raised  # outside the except clause: its context stays its own
+    if conn._failure is not None:
+        raise conn.error
+
+
+async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", heartbeat: float = 0,
+                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> Connection:
+    """Open a connection (ANONYMOUS) and wait for the broker's connection.open-ok;
+    ``close()`` it when done (``async with await connect(...)`` does).
+
+    Kept for the callers written before :func:`open_connection`. With no
+    nursery given, the connection's tasks cannot live in the caller's: they
+    run in a nursery of the connection's own, hosted by a trio system task,
+    until ``close()``. They behave as under ``open_connection``: their errors
+    end the connection and reach the caller as ConnectionClosed from the
+    next call. Only a client bug is reported differently: as ConnectionClosed
+    from calls, not raised again at the end. Prefer ``open_connection``.
+    """
+    stream = await trio.open_tcp_stream(host, port)
+    conn = Connection(stream, name, heartbeat, max_frame_size)
+    trio.lowlevel.spawn_system_task(conn._serve, name=f"qflow connection {name!r}")
+    try:
+        await conn._handshake()
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+class Connection:
+    """A client connection to qflowd: sessions on it (:meth:`session`), and
+    the tasks that move its bytes (:func:`open_connection`)."""
+
+    def __init__(self, stream: trio.abc.Stream, name: str, heartbeat: float, max_frame_size: int) -> None:
+        self.stream = stream
+        self.name = name
+        self.heartbeat = heartbeat
+        self.protocol = ProtocolConnection(Role.CLIENT, max_frame_size=max_frame_size, name=name,
+                                           heartbeat=heartbeat, now=trio.current_time())
+        self.decoder = self.protocol.decoder
+        self.encoder = self.protocol.encoder
+        self.sessions: dict[int, Session] = self.protocol.sessions
+        self.error: ConnectionClosed | None = None
+        self._failure: BaseException | None = None  # an error of the connection's own tasks: a client bug
+        self._opened = trio.Event()  # set by connection.open-ok, or when the connection ends
+        self._wake = trio.Event()
+        self._scope = trio.CancelScope()  # around the connection's tasks: close() cancels it
+        self._nursery: trio.Nursery | None = None
+        self._reader_done = trio.Event()
+        self._writer_done = trio.Event()
+        self._tasks_done = trio.Event()
+        self._close_started = False
+
+    @property
+    def max_frame_size(self) -> int:
+        """The negotiated maximum frame size (what was asked, until the open-ok)."""
+        return self.protocol.max_frame_size
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def wake(self) -> None:
+        """Tell the writer the encoder has frames to send."""
+        self._wake.set()
+
+    def check(self) -> None:
+        """Raise the connection's error, if it has ended."""
+        if self.error is not None:
+            raise self.error
+
+    async def session(self, name: str = "") -> Session:
+        """Attach a new session and wait for the broker's session.attached.
+        Raises ConnectionClosed if the connection has ended or ends meanwhile."""
+        self.check()
+        ssn = Session(self, name)
+        self.wake()
+        await ssn._attached.wait()  # set by session.attached, or Session._shutdown
+        ssn.check()
+        return ssn
+
+    async def close(self) -> None:
+        """Close the connection: ``connection.close`` goes out after what is
+        queued, and is the last frame sent; the broker's answer is awaited
+        (at most ``CLOSE_TIMEOUT`` s), then the tasks end and the socket
+        closes. Incomplete commands and waiting calls fail with
+        ConnectionClosed. Calling it again does nothing more."""
+        if self._close_started:
+            with trio.CancelScope(shield=True):
+                await self._tasks_done.wait()
+            return
+        self._close_started = True
+        try:
+            if self.error is None:
+                # Sessions refuse new commands first: nothing can be queued after the close frame.
+                self._shutdown(ConnectionClosed(P.NORMAL, "connection closed by the client"))
+                self.protocol.close(P.NORMAL, "client closing")
+            if self.protocol.write_close():  # ours, or a refusal of the broker's data
+                self.wake()
+                with trio.move_on_after(CLOSE_TIMEOUT):
+                    await self._writer_done.wait()
+                    await self._reader_done.wait()
+        finally:
+            self._scope.cancel()
+            with trio.CancelScope(shield=True):
+                await self._tasks_done.wait()
+                await self.stream.aclose()
+
+    def _shutdown(self, error: ConnectionClosed) -> None:
+        """The connection has ended: every session and every call waiting
+        on it gets ``error`` (the first one, if it ends twice)."""
+        if self.error is None:
+            self.error = error
+        self._opened.set()
+        for ssn in list(self.sessions.values()):
+            ssn._shutdown(self.error)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A task of the connection failed on a bug: the connection ends with it."""
+        if self._failure is None:
+            self._failure = exc
+        self.protocol.connection_lost()
+        error = ConnectionClosed(P.INTERNAL_ERROR, f"client error: {exc!r}")
+        error.__cause__ = exc
+        self._shutdown(error)
+
+    # -- the connection's tasks -----------------------------------------------------
+    async def _serve(self) -> None:
+        """Run the reader, the writer and (once open, if asked for) heartbeats
+        in the connection's own nursery, until close() cancels them. Raises
+        nothing: each task turns its errors into the connection's end."""
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._reader)
+                    nursery.start_soon(self._writer)
+        finally:
+            self._tasks_done.set()
+
+    async def _handshake(self) -> None:
+        self.wake()  # the header and connection.open the state machine wrote
+        await self._opened.wait()
+        self.check()
+
+    async def _writer(self) -> None:
+        # Runs until the encoder has no parts left before it waits again:
+        # Sender.send wakes it only when it finds none.
+        encoder = self.encoder
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while encoder.parts:
+                    await self.stream.send_all(encoder.take())
+                if self.protocol.state is State.CLOSED:
+                    return  # the close frame, if any, was the last taken
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.protocol.connection_lost()
+            self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            self._writer_done.set()
+
+    async def _heartbeats(self) -> None:
+        protocol = self.protocol
+        try:
+            while True:
+                await trio.sleep_until(protocol.heartbeat_deadline)
+                if not protocol.send_heartbeat(trio.current_time()):
+                    return
+                self.wake()
+        except Exception as exc:
+            self._fail(exc)
+
+    async def _reader(self) -> None:
+        protocol = self.protocol
+        try:
+            while True:
+                try:
+                    with trio.fail_at(protocol.peer_deadline):  # heartbeats: a silent broker is dead
+                        data = await self.stream.receive_some(READ_SIZE)
+                except trio.TooSlowError:
+                    raise protocol.peer_timed_out() from None
+                protocol.receive_data(data, trio.current_time())  # b"" (the broker is gone) ends it
+                self._handle_frames()
+        except ConnectionEnd as exc:
+            self._shutdown(ConnectionClosed(exc.code, exc.text))
+        except (FramingError, EntryError) as exc:
+            end = protocol.malformed(exc)
+            self._shutdown(ConnectionClosed(end.code, end.text))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            protocol.connection_lost()
+            self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            self._reader_done.set()
+
+    def _handle_frames(self) -> None:
+        """Every frame decoded. Deliveries are the per-message path: the glue
+        takes them itself, a run per frame, with no event per message (the
+        state machine's ``sessions`` holds sessions only while it is open)."""
+        sessions = self.sessions
+        receive_control = self.protocol.receive_control
+        receiver = None  # the last receiver given deliveries: woken once per batch
+        for frame in self.decoder.frames():
+            code = frame[0]
+            if code == DELIVER_RUN or code == DELIVER:
+                ssn = sessions.get(frame[1]) if len(frame) > 2 else None
+                r = ssn.receivers.get(frame[2]) if ssn is not None else None
+                if r is not None:
+                    run = _Deliveries(r, frame) if code == DELIVER_RUN else _Deliveries.of_one(r, frame)
+                    r._buffer.append(run)
+                    if r is not receiver:
+                        if receiver is not None:
+                            receiver._event.set()
+                        receiver = r
+            else:
+                event = receive_control(frame)
+                if event is not None:
+                    self._on_event(event)
+        if receiver is not None:
+            receiver._event.set()
+
+    def _on_event(self, event: Any) -> None:
+        kind = type(event)
+        if kind is Opened:
+            if self.protocol.heartbeat_interval:
+                self._nursery.start_soon(self._heartbeats)
+            self._opened.set()
+            return
+        ssn = event.session
+        if kind is Completed:
+            ssn._completed(event.ranges)
+        elif kind is Result:
+            ssn._result(event.command_id, event.value)
+        elif kind is Failed:
+            ssn._exception(event.command_id, event.code, event.text)
+        elif kind is FlowNotice:
+            ssn._flow_notice(event.queue, event.held)
+        elif kind is SessionAttached:
+            ssn._attached.set()
+        elif kind is SessionDetached:
+            ssn._shutdown(ConnectionClosed(event.code, f"session detached: {event.text}"))

@@ -1,0 +1,279 @@
+"""Senders: message.transfer with a capacity window, which is what makes the
+broker's flow control bound a queue's depth.
+
+One transfer path: every transfer, from ``send`` or ``send_many``, plain or
+with properties, is numbered by the session's OutgoingCommands and encoded as
+``prefix + body``, where the prefix is qflow.protocol.encodings's (the same
+bytes msgpack's Packer writes). A plain transfer (no properties, the sender's
+routing key) takes its prefix from a cache keyed by the body's size; that is
+the per-message fast path, and it differs from the general one only there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from qflow import protocol as P
+from qflow.client.errors import FlowControlTimeout, QflowError
+from qflow.client.pacing import pace
+from qflow.protocol.encodings import bin_header, transfer_prefix
+
+if TYPE_CHECKING:
+    from qflow.client.session import Session
+
+log = logging.getLogger("qflow.client")
+
+YIELD_EVERY = 256  # sends between checkpoints: big enough for 64 KiB-ish writes
+
+
+def _to_bytes(body: Any) -> bytes:
+    if type(body) is str:
+        return body.encode()
+    return bytes(body)
+
+
+def _properties(message_id: str | None, correlation_id: str | None, content_type: str | None, durable: bool,
+                headers: dict[str, Any] | None) -> dict[str, Any] | None:
+    """message.transfer's properties map, or None when there are none."""
+    props: dict[str, Any] = {}
+    if message_id is not None:
+        props["message_id"] = message_id
+    if correlation_id is not None:
+        props["correlation_id"] = correlation_id
+    if content_type is not None:
+        props["content_type"] = content_type
+    if durable:
+        props["durable"] = True
+    if headers:
+        props["headers"] = headers
+    return props or None
+
+
+class Sender:
+    """Sends to one address (Session.sender makes one). At most ``capacity``
+    of its transfers are incomplete at once: ``send`` waits while that many
+    are, and the broker holds completions back while a destination queue's
+    flow is stopped."""
+
+    def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
+                 flow_notify: float, flow_timeout: float | None) -> None:
+        self.session = session
+        self._exchange = exchange
+        self._routing_key = routing_key
+        self._set_head()
+        self._commands = session.commands  # for the per-message path: these objects live as long as the sender
+        self._conn = session.conn
+        self._parts = session.conn.encoder.parts
+        self.capacity = capacity
+        self.incomplete = 0
+        self.max_incomplete = 0  # the most ever outstanding at once
+        self.errors: list[QflowError] = []
+        self.closed = False
+        self.flow_notify = flow_notify
+        self.flow_timeout = flow_timeout
+        self._interval = 1.0 / rate if rate else 0.0
+        self._next_send = 0.0
+        self._space = trio.Event()
+        self._unyielded = 0
+
+    def _set_head(self) -> None:
+        # A plain transfer is _head, the body's bin header and the body. The
+        # prefix of the last body size is kept: bodies of one size are the rule.
+        self._head = transfer_prefix(self.session.channel, self._exchange, self._routing_key, None)
+        self._prefix_size = 0
+        self._prefix = self._head + bin_header(0)
+
+    def _plain_prefix(self, size: int) -> bytes:
+        """A plain transfer's bytes before a body of ``size`` bytes (cached)."""
+        if size != self._prefix_size:
+            self._prefix_size = size
+            self._prefix = self._head + bin_header(size)
+        return self._prefix
+
+    def _head_for(self, routing_key: str | None, props: dict[str, Any] | None) -> bytes | None:
+        """The bytes before the bin header of a transfer with these fields;
+        None for a plain one (its prefix is cached)."""
+        if props is None and (routing_key is None or routing_key == self._routing_key):
+            return None
+        key = self._routing_key if routing_key is None else routing_key
+        return transfer_prefix(self.session.channel, self._exchange, key, props)
+
+    @property
+    def exchange(self) -> str:
+        return self._exchange
+
+    @exchange.setter
+    def exchange(self, value: str) -> None:
+        self._exchange = value
+        self._set_head()
+
+    @property
+    def routing_key(self) -> str:
+        return self._routing_key
+
+    @routing_key.setter
+    def routing_key(self, value: str) -> None:
+        self._routing_key = value
+        self._set_head()
+
+    def _complete(self, n: int) -> None:
+        self.incomplete -= n
+        self._space.set()
+
+    def _wake(self) -> None:
+        self._space.set()
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+        self.session.check()
+
+    async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
+                   correlation_id: str | None = None, content_type: str | None = None, durable: bool = False,
+                   headers: dict[str, Any] | None = None) -> None:
+        """Send one message; waits while ``capacity`` transfers are incomplete.
+        Raises the broker's error for an earlier transfer that it refused."""
+        if (self.incomplete >= self.capacity or self.errors or self.session.error or self._interval
+                or type(body) is not bytes):
+            body = await self._ready(body)
+        if (routing_key is None and message_id is None and correlation_id is None and content_type is None
+                and not durable and not headers):
+            prefix = self._prefix if len(body) == self._prefix_size else self._plain_prefix(len(body))
+        else:
+            head = self._head_for(routing_key, _properties(message_id, correlation_id, content_type, durable,
+                                                            headers))
+            prefix = self._plain_prefix(len(body)) if head is None else head + bin_header(len(body))
+        # The one place a single transfer is numbered and written (send_many's runs do the same per run).
+        self._commands.send(self)
+        parts = self._parts
+        if not parts:
+            # Pieces waiting mean the writer was woken for them and will take
+            # these too (it writes until there are none).
+            self._conn._wake.set()
+        parts.append(prefix)
+        parts.append(body)
+        incomplete = self.incomplete + 1
+        self.incomplete = incomplete
+        if incomplete > self.max_incomplete:
+            self.max_incomplete = incomplete
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
+            # Let the writer send this batch while we encode the next one.
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
+
+    async def _ready(self, body: bytes | str) -> bytes:
+        """send's preliminaries, when there are any: raise a refusal, wait
+        for room in the window, keep the rate; the body as bytes."""
+        if self.errors or self.session.error:
+            self._raise_errors()
+        if self.incomplete >= self.capacity:
+            await self._wait_for_space()
+        if self._interval:
+            self._next_send = await pace(self._next_send, self._interval)
+        return body if type(body) is bytes else _to_bytes(body)
+
+    async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
+                        message_id: str | None = None, correlation_id: str | None = None,
+                        content_type: str | None = None, durable: bool = False,
+                        headers: dict[str, Any] | None = None) -> int:
+        """Send one message per body, in order, all with the same routing key and
+        properties; returns how many were sent. The same as calling ``send`` for
+        each body (the capacity still bounds the incomplete transfers, and
+        ``send_many`` waits while it is reached), at a fraction of the cost per
+        message: transfers are encoded in runs as long as the window allows.
+        A refusal of an earlier transfer is raised, and the bodies not yet sent
+        then are not sent."""
+        if self._interval:  # paced: one at a time is the point
+            n = 0
+            for body in bodies:
+                await self.send(body, routing_key=routing_key, message_id=message_id, correlation_id=correlation_id,
+                                content_type=content_type, durable=durable, headers=headers)
+                n += 1
+            return n
+        if self.errors or self.session.error:
+            self._raise_errors()
+        head = self._head_for(routing_key, _properties(message_id, correlation_id, content_type, durable, headers))
+        it = iter(bodies)
+        sent = 0
+        while True:
+            if self.errors or self.session.error:
+                self._raise_errors()  # a refusal stops the run: what is left is not sent
+            room = self.capacity - self.incomplete
+            if room <= 0:
+                await self._wait_for_space()
+                continue
+            # A run: at most the window's room, and small enough to be written
+            # while the next one is encoded.
+            run = list(islice(it, min(room, YIELD_EVERY)))
+            if not run:
+                return sent
+            self._write_run(run, head)
+            sent += len(run)
+            await trio.lowlevel.checkpoint()
+
+    def _write_run(self, bodies: list[Any], head: bytes | None) -> None:
+        """Number and write a run of transfers, as send does one: each is its
+        prefix (cached if plain, ``head`` and its bin header if not) and body."""
+        n = len(bodies)
+        self._commands.send_run(self, n)
+        parts = self._parts
+        if not parts:
+            self._conn._wake.set()
+        append = parts.append
+        for body in bodies:
+            if type(body) is not bytes:
+                body = _to_bytes(body)
+            if head is not None:
+                append(head + bin_header(len(body)))
+            else:
+                append(self._prefix if len(body) == self._prefix_size else self._plain_prefix(len(body)))
+            append(body)
+        self.incomplete += n
+        if self.incomplete > self.max_incomplete:
+            self.max_incomplete = self.incomplete
+
+    async def _wait_for_space(self) -> None:
+        started = trio.current_time()
+        next_notice = started + self.flow_notify
+        deadline = started + self.flow_timeout if self.flow_timeout else math.inf
+        while self.incomplete >= self.capacity:
+            self._raise_errors()
+            self._space = trio.Event()
+            with trio.move_on_at(min(next_notice, deadline)):
+                # No task per wait: a session shutting down sets _space itself (Session._shutdown).
+                await self._space.wait()
+                continue
+            now = trio.current_time()
+            held = ", ".join(sorted(self.session.held_by)) or "none"
+            if now >= deadline:
+                raise FlowControlTimeout(
+                    P.RESOURCE_LIMIT_EXCEEDED,
+                    f"send timed out after {now - started:.0f}s waiting for broker flow control (queues: {held})")
+            if self.session.held_by:
+                log.warning("send delayed by %.0fs due to broker flow control on queue %s", now - started, held)
+            next_notice += self.flow_notify
+        self._raise_errors()
+
+    async def sync(self) -> None:
+        """Wait until every transfer of this sender is complete; raises the
+        first refusal among them, if any."""
+        self._raise_errors()
+        self.session._flush()
+        while self.incomplete:
+            self._raise_errors()
+            self._space = trio.Event()
+            await self._space.wait()  # set by a completion or Session._shutdown
+        self._raise_errors()
+
+    def close(self) -> None:
+        """Stop sending: this sender's capacity no longer counts in the session's."""
+        if not self.closed:
+            self.closed = True
+            self.session._announce_capacity()

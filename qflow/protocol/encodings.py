@@ -1,0 +1,91 @@
+"""Byte-level encodings written or peeked at outside a msgpack Packer. No I/O.
+
+Most frames are written by :class:`~qflow.protocol.framing.FrameEncoder` from
+lists. The per-message paths instead append bytes they encoded once and cached
+(a sender's plain transfer head, a subscription's delivery heads), or look at a
+frame's first bytes before decoding it (the broker's transfer runs). Every such
+encoding is built here, from msgpack's own encoding of each field, so it is
+exactly what the Packer would have written; ``tests/test_protocol_connection.py``
+compares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from struct import Struct
+from typing import Any
+
+import msgpack
+
+from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, REDELIVERED_YES
+from qflow.protocol.spec import DELIVER, DELIVER_RUN, TRANSFER
+
+# A message.transfer is an array of six: msgpack's fixarray header for 6, then
+# the code 30 as a positive fixint. A frame whose first two bytes are these is
+# a transfer encoded the usual way (docs/protocol.md, "Fastest transfer encoding").
+TRANSFER_FIXARRAY = 0x96
+NIL = b"\xc0"
+
+_packb = msgpack.packb  # not a shared Packer: these run rarely, maybe in threads (Spark)
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's bin header for ``n`` bytes, as the Packer writes it."""
+    if n < 0x100:
+        return bytes((0xC4, n))
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def transfer_head(channel: int) -> bytes:
+    """The first bytes of a message.transfer on ``channel``: ``[30, channel, ...``.
+    What follows them in such a frame is what the broker stores."""
+    return bytes((TRANSFER_FIXARRAY,)) + _packb(TRANSFER) + _packb(channel)
+
+
+def transfer_prefix(channel: int, exchange: str, routing_key: str, properties: dict[str, Any] | None) -> bytes:
+    """A message.transfer's bytes up to its body's bin header: the frame is
+    this, then :func:`bin_header` of the body's size, then the body."""
+    return transfer_head(channel) + _packb(exchange) + _packb(routing_key) + (
+        NIL if properties is None else _packb(properties))
+
+
+def deliver_head(channel: int, destination: str) -> bytes:
+    """message.deliver's first bytes, up to its delivery id: ``[18, channel,
+    destination, ...`` (an array of 11)."""
+    return b"\x9b" + _packb(DELIVER) + _packb(channel) + _packb(destination)
+
+
+def deliver_run_head(channel: int, destination: str) -> bytes:
+    """message.deliver-run's first bytes, up to its first delivery id:
+    ``[20, channel, destination, ...`` (an array of 6)."""
+    return b"\x96" + _packb(DELIVER_RUN) + _packb(channel) + _packb(destination)
+
+
+def deliver_packer(channel: int, destination: str) -> Callable[[int, int], bytes]:
+    """``pack(0xCF, delivery_id)``: :func:`deliver_head` and the delivery id (a
+    u64), the bytes a broker writes before the stored entry."""
+    head = deliver_head(channel, destination)
+    return partial(Struct(f">{len(head)}sBQ").pack, head)
+
+
+def deliver_run_packer(channel: int, destination: str) -> tuple[Callable[..., bytes], int]:
+    """``(pack, size)``: ``pack(0xCF, first_id, 0xCE, count, 0xC6, nbytes)`` is a
+    message.deliver-run frame up to its blob of ``nbytes`` of entries (u64 first
+    delivery id, u32 count, bin32 header), and ``size`` is how long that is."""
+    head = deliver_run_head(channel, destination)
+    struct = Struct(f">{len(head)}sBQBIBI")
+    return partial(struct.pack, head), struct.size
+
+
+def entry_of_deliver(frame: list[Any]) -> tuple[int, bytes]:
+    """A message.deliver frame's delivery id and its message as a stored entry
+    (qflow.protocol.entries): a broker that sends one delivery per frame is
+    read as one that sends runs of one. Raises ValueError (or TypeError) for
+    a frame with the wrong fields."""
+    _, _, _, did, redelivered, seq, size, exchange, key, props, body = frame
+    entry = (ENTRY_HEAD.pack(REDELIVERED_YES if redelivered else REDELIVERED_NO, 0xCF, seq, 0xCF, size)
+             + _packb(exchange) + _packb(key) + _packb(props) + _packb(body))
+    return did, entry
