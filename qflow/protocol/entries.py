@@ -78,7 +78,10 @@ def scan_entries_python(blob: bytes, count: int) -> list[int]:
                 pos = unpacker.tell()
                 if pos >= end or blob[pos] not in allowed:
                     raise EntryError(f"entry {i} of {count}: exchange, routing key or properties of the wrong type")
-                unpacker.skip()
+                if allowed is _PROPS:
+                    unpacker.unpack()  # not skip(): skip() lets an ext nested in the map through, C refuses it
+                else:
+                    unpacker.skip()
             pos = unpacker.tell()
             if pos >= end or blob[pos] not in _BIN:
                 raise EntryError(f"entry {i} of {count}: the body is not bin")
