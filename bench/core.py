@@ -1,6 +1,6 @@
 """The broker's per-message cost without sockets: ``python bench/core.py``.
 
-Feeds pre-encoded frames straight into the broker's connection handling (the
+Feeds pre-encoded frames straight into a ConnectionPump (qflow.server.pump: the
 sans-I/O path qflowd runs for each read) for one producer and one consumer
 on one queue, and times what the broker does per message: decode, route,
 enqueue, account, dispatch, encode the delivery, take the accept, dequeue,
@@ -31,23 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qflow import protocol as P  # noqa: E402
 from qflow.broker import Broker  # noqa: E402
 from qflow.protocol.framing import PROTOCOL_HEADER  # noqa: E402
-from qflow.server import Connection  # noqa: E402
+from qflow.server.pump import ConnectionPump  # noqa: E402
 
 PARTS: list[list[float]] = []  # per round: seconds in [transfers and deliveries, accepts and credit]
 NO_FLOW = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
 
 
-class _FakeStream:
-    pass
+def _feed(conn: ConnectionPump, data: bytes) -> None:
+    conn.receive(data, 0.0)
 
 
-def _feed(conn: Connection, data: bytes) -> None:
-    conn.decoder.feed(data)
-    conn._handle_frames()
-    conn.broker.flush()
-
-
-def _open(conn: Connection, deliver_runs: bool = False) -> None:
+def _open(conn: ConnectionPump, deliver_runs: bool = False) -> None:
     pk = msgpack.Packer(use_bin_type=True)
     _feed(conn, PROTOCOL_HEADER + pk.pack([P.OPEN, {"mechanism": "ANONYMOUS", "deliver_runs": deliver_runs}])
           + pk.pack([P.ATTACH, 0, ""]))
@@ -57,8 +51,8 @@ def _open(conn: Connection, deliver_runs: bool = False) -> None:
 def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: bool = True) -> float:
     """Seconds of broker work for ``count`` messages through one queue."""
     broker = Broker()
-    producer = Connection(broker, _FakeStream(), 1 << 20, "producer")
-    consumer = Connection(broker, _FakeStream(), 1 << 20, "consumer")
+    producer = ConnectionPump(broker, 1 << 20, 0.0)
+    consumer = ConnectionPump(broker, 1 << 20, 0.0)
     _open(producer)
     _open(consumer, deliver_runs)
     pk = msgpack.Packer(use_bin_type=True)

@@ -1,8 +1,12 @@
-"""Run ``qflowd`` as a child process: for tests, benchmarks and examples.
+"""Harnesses for tests, benchmarks and examples.
 
-``start()`` launches it on free loopback ports and returns once its ready
-line (``qflowd ready port=P mgmt-port=M``) has been read; ``Daemon.stop()``
-stops that process, by its PID, and nothing else.
+* :class:`Harness`: a broker served in memory, through the same protocol core
+  and ConnectionPump that qflowd runs, with no sockets, no trio and no clock.
+  Its clients are synchronous and frame-level: every byte moves when
+  :meth:`Harness.run` says so, so what happens is deterministic.
+* :func:`start`: a real ``qflowd`` as a child process, on free loopback ports;
+  it returns once its ready line (``qflowd ready port=P mgmt-port=M``) has been
+  read. ``Daemon.stop()`` stops that process, by its PID, and nothing else.
 """
 
 from __future__ import annotations
@@ -12,8 +16,18 @@ import select
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import IO
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from qflow import protocol as P
+from qflow.broker import Broker
+from qflow.broker.accounting import Accounting
+from qflow.broker.flow import FlowDefaults
+from qflow.protocol.connection import Completed, Failed, FlowNotice, ProtocolConnection, Result, Role
+from qflow.protocol.entries import entry_tail, scan_entries, seq_and_size
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.protocol.ranges import RangeSet
+from qflow.server.pump import ConnectionPump
 
 
 @dataclass
@@ -74,3 +88,156 @@ def start(*args: str, env: dict[str, str] | None = None, log: str | None = None,
         raise RuntimeError(f"qflowd did not start: {line!r} {detail}")
     fields = dict(item.split("=") for item in line.split()[2:])
     return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log)
+
+
+# -- the in-memory harness -----------------------------------------------------------------------------
+@dataclass
+class Delivery:
+    """A message as a harness session received it."""
+
+    destination: str
+    delivery_id: int
+    sequence: int
+    redelivered: bool
+    exchange: str
+    routing_key: str
+    properties: dict | None
+    body: bytes
+
+
+@dataclass
+class MemorySession:
+    """A session of a :class:`MemoryClient`: it numbers its commands as the
+    protocol does (0, 1, 2, ...) and keeps what the broker said of them."""
+
+    client: MemoryClient
+    channel: int = -1
+    next_id: int = 0
+    completed: RangeSet = field(default_factory=RangeSet)
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, tuple[int, str]] = field(default_factory=dict)
+    deliveries: list[Delivery] = field(default_factory=list)
+    held_by: set[str] = field(default_factory=set)  # queues whose flow control holds our transfers
+
+    def command(self, code: int, *fields: Any) -> int:
+        """Write command ``code`` with ``fields``; returns its command id."""
+        cid = self.next_id
+        self.next_id += 1
+        self.client.protocol.encoder.write([code, self.channel, *fields])
+        return cid
+
+    def transfer(self, routing_key: str, body: bytes, exchange: str = "", properties: dict | None = None) -> int:
+        return self.command(P.TRANSFER, exchange, routing_key, properties, body)
+
+    def is_complete(self, command_id: int) -> bool:
+        return command_id in self.completed
+
+    def incomplete(self, command_ids: list[int]) -> list[int]:
+        return [cid for cid in command_ids if cid not in self.completed]
+
+    def call(self, code: int, *fields: Any) -> Any:
+        """Run one command to its end (:meth:`Harness.run`) and return its
+        result; raises AssertionError with the broker's code and text if it failed."""
+        cid = self.command(code, *fields)
+        self.client.harness.run()
+        if cid in self.failures:
+            code_, text = self.failures[cid]
+            raise AssertionError(f"command {cid} failed: {code_} {text}")
+        assert cid in self.completed, f"command {cid} did not complete"
+        return self.results.get(cid)
+
+    def declare_queue(self, name: str, arguments: dict | None = None) -> dict:
+        return self.call(P.QUEUE_DECLARE, name, False, False, False, arguments or {}, False)
+
+    def subscribe(self, queue: str, destination: str, credit: int = -1, accept: int = P.ACCEPT_NONE) -> None:
+        self.call(P.SUBSCRIBE, queue, destination, accept, P.ACQUIRE_PRE_ACQUIRED, 0)
+        self.call(P.FLOW, destination, credit, -1)
+
+    def accept(self, deliveries: list[Delivery]) -> None:
+        ids = RangeSet()
+        for d in deliveries:
+            ids.add(d.delivery_id)
+        self.call(P.ACCEPT, ids.to_wire())
+
+    def query(self, queue: str) -> dict:
+        return self.call(P.QUEUE_QUERY, queue)
+
+
+class MemoryClient:
+    """One client connection of a :class:`Harness`: the client role of the
+    protocol state machine on one side, a ConnectionPump on the broker's."""
+
+    def __init__(self, harness: Harness, name: str, max_frame_size: int) -> None:
+        self.harness = harness
+        self.protocol = ProtocolConnection(Role.CLIENT, name=name, max_frame_size=max_frame_size)
+        self.pump = ConnectionPump(harness.broker, max_frame_size, 0.0)
+
+    def session(self, name: str = "") -> MemorySession:
+        ssn = MemorySession(self)
+        ssn.channel = self.protocol.attach(name, ssn)
+        self.harness.run()
+        return ssn
+
+    def _to_broker(self) -> bool:
+        data = self.protocol.encoder.take() if self.protocol.encoder.parts else b""
+        if data:
+            self.pump.receive(data, 0.0)
+        return bool(data)
+
+    def _from_broker(self) -> bool:
+        data = self.pump.encoder.take() if self.pump.encoder.parts else b""
+        if not data:
+            return False
+        protocol = self.protocol
+        protocol.receive_data(data, 0.0)
+        for frame in protocol.decoder.frames():
+            if frame[0] == P.DELIVER_RUN:
+                self._deliveries(frame)
+                continue
+            event = protocol.receive_control(frame)
+            kind = type(event)
+            if kind is Completed:
+                event.session.completed.update(RangeSet.from_wire(event.ranges))
+            elif kind is Result:
+                event.session.results[event.command_id] = event.value
+            elif kind is Failed:
+                event.session.failures[event.command_id] = (event.code, event.text)
+            elif kind is FlowNotice:
+                (event.session.held_by.add if event.held else event.session.held_by.discard)(event.queue)
+        return True
+
+    def _deliveries(self, frame: list[Any]) -> None:
+        _, channel, destination, first_id, count, blob = frame
+        ssn = self.protocol.sessions[channel]
+        offsets = scan_entries(blob, count)
+        for i in range(count):
+            entry = blob[offsets[2 * i]:offsets[2 * i + 2]]
+            exchange, key, props, body = entry_tail(entry)
+            ssn.deliveries.append(Delivery(destination, first_id + i, seq_and_size(entry)[0],
+                                           entry[0] == 0xC3, exchange, key, props, body))
+
+
+class Harness:
+    """A broker served in memory, deterministically: nothing moves between a
+    client and the broker until :meth:`run`, which moves bytes both ways,
+    one read at a time per connection, until nothing is left to move."""
+
+    def __init__(self, defaults: FlowDefaults | None = None, accounting: Accounting | None = None,
+                 transfer_runs: bool | None = None) -> None:
+        self.broker = Broker(defaults, accounting, transfer_runs)
+        self.clients: list[MemoryClient] = []
+
+    def connect(self, name: str = "", max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> MemoryClient:
+        client = MemoryClient(self, name, max_frame_size)
+        self.clients.append(client)
+        self.run()
+        return client
+
+    def run(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for client in self.clients:
+                moved |= client._to_broker()
+            for client in self.clients:
+                moved |= client._from_broker()

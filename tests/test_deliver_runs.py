@@ -23,7 +23,7 @@ from qflow.client.message import _Deliveries
 from qflow.protocol import entries as E
 from qflow.protocol.entries import ENTRY_HEAD, EntryError, scan_entries_python
 from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder
-from qflow.server import Connection
+from qflow.server.pump import ConnectionPump
 
 pack = msgpack.Packer(use_bin_type=True).pack
 
@@ -108,10 +108,6 @@ def test_native_and_python_scanners_agree(entries, data):
 # -- the broker: runs change the framing, nothing else ----------------------------------------------------------
 
 
-class _NoStream:
-    pass
-
-
 def _expand(written: bytes) -> list:
     """Every frame written, message.deliver-run frames expanded into the
     message.deliver frames that carry the same deliveries one by one."""
@@ -134,7 +130,7 @@ def _expand(written: bytes) -> list:
 def _run_broker(deliver_runs: bool, max_frame: int, frames: list[list]) -> dict:
     async def go() -> dict:
         broker = Broker()
-        conn = Connection(broker, _NoStream(), max_frame, "test")
+        conn = ConnectionPump(broker, max_frame, 0.0)
         written = []
         setup = [
             [P.OPEN, {"mechanism": "ANONYMOUS", "deliver_runs": deliver_runs, "max_frame_size": max_frame}],
@@ -147,9 +143,7 @@ def _run_broker(deliver_runs: bool, max_frame: int, frames: list[list]) -> dict:
             [P.SUBSCRIBE, 1, "b", "w", P.ACCEPT_NONE, P.ACQUIRE_NOT_ACQUIRED, 0],  # a browser
         ]
         for frame in [*setup, *frames]:
-            conn.decoder.feed((PROTOCOL_HEADER if frame is setup[0] else b"") + pack(frame))
-            conn._handle_frames()
-            broker.flush()
+            conn.receive((PROTOCOL_HEADER if frame is setup[0] else b"") + pack(frame), 0.0)
             written.append(conn.encoder.take())
         queues = {name: (list(q.entries), q.count, q.nbytes, q.stats()) for name, q in broker.queues.items()}
         sessions = {ch: (s.next_delivery, s.unacked, [q and q.name for q in s.unacked_queues],

@@ -15,16 +15,12 @@ from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.transfer_runs import TransferRuns  # built by make install, as the accounting is
 from qflow.protocol.framing import PROTOCOL_HEADER, READ_SIZE
-from qflow.server import Connection
-from qflow.server import connection as server
+from qflow.server import pump as server
+from qflow.server.pump import ConnectionPump
 
 pytestmark = pytest.mark.native_only  # the accounting is the same either way; once is enough
 
 pack = msgpack.Packer(use_bin_type=True).pack
-
-
-class _NoStream:
-    pass
 
 
 def _setup_frames() -> bytes:
@@ -64,10 +60,8 @@ class _CountingRuns:
         return n
 
 
-def _feed(conn: Connection, data: bytes) -> None:
-    conn.decoder.feed(data)
-    conn._handle_frames()
-    conn.broker.flush()
+def _feed(conn: ConnectionPump, data: bytes) -> None:
+    conn.receive(data, 0.0)
 
 
 def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
@@ -78,7 +72,7 @@ def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
         assert (broker.runs is not None) == runs
         if runs:
             broker.runs = _CountingRuns(broker.runs)
-        conn = Connection(broker, _NoStream(), 1 << 20, "test")
+        conn = ConnectionPump(broker, 1 << 20, 0.0)
         _feed(conn, _setup_frames())
         written = [conn.encoder.take()]
         for chunk in chunks:

@@ -21,7 +21,7 @@ import msgpack
 
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
-from qflow.broker.commands import HANDLERS
+from qflow.broker.commands import HANDLERS, NO_COMPLETE
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
 from qflow.broker.flow import FlowDefaults, SettingsError, resolve
@@ -340,17 +340,31 @@ class Broker:
             wake()
 
     # -- commands -------------------------------------------------------------
-    def execute(self, ssn: BrokerSession, command_id: int, code: int, args: list[Any]) -> Any:
-        """Run one validated non-transfer command (qflow.broker.commands). Returns
-        a result value to send (or None); raises CommandError. The command is
-        complete on return, except execution.sync, which completes when every
-        earlier command has (the handler returns NO_COMPLETE)."""
+    def execute(self, ssn: BrokerSession, command_id: int, code: int, args: list[Any]) -> None:
+        """Run one validated non-transfer command (qflow.broker.commands) and
+        report it: its result (if any) and its completion go to the session's
+        output, or its exception if it was refused. execution.sync completes
+        later, once every earlier command has."""
         handler = HANDLERS.get(code)
         # Commands read or change state the pending op log may not have reached yet.
         self._apply()
-        if handler is None:
-            raise CommandError(P.NOT_IMPLEMENTED, f"{P.command_name(code)} is not implemented")
-        return handler(self, ssn, command_id, *args)
+        try:
+            if handler is None:
+                raise CommandError(P.NOT_IMPLEMENTED, f"{P.command_name(code)} is not implemented")
+            result = handler(self, ssn, command_id, *args)
+        except CommandError as exc:
+            self.fail(ssn, command_id, exc.code, exc.text)
+            return
+        if result is NO_COMPLETE:
+            return
+        if result is not None:
+            ssn.out.write([P.RESULT, ssn.channel, command_id, result])
+        ssn.commands.complete(command_id)
+        self._dirty_sessions[ssn] = None
+
+    def report(self, ssn: BrokerSession) -> None:
+        """Report ``ssn``'s completions at the end of this batch (session.flush)."""
+        self._dirty_sessions[ssn] = None
 
     def _check_name(self, kind: str, name: str) -> None:
         if not name or len(name.encode()) > MAX_NAME:

@@ -61,7 +61,10 @@ def scan_entries_python(blob: bytes, count: int) -> list[int]:
     what is checked: ``[start_0, body_0, start_1, body_1, ..., len(blob)]``
     where entry i starts at ``start_i`` and its body's bytes run from
     ``body_i`` to the next start. Raises EntryError naming the bad entry."""
-    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_ext_len=0, max_buffer_size=max(len(blob), 1))
+    # Maps come out as lists of pairs (object_pairs_hook): a key is never hashed, so any
+    # well-formed map passes, as in C; unpack() (not skip()) refuses an ext at any depth.
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_ext_len=0, max_buffer_size=max(len(blob), 1),
+                                object_pairs_hook=list)
     unpacker.feed(blob)
     offsets: list[int] = []
     end = len(blob)

@@ -1,43 +1,28 @@
-"""One client connection of qflowd: trio wraps the sans-I/O core.
+"""One client connection of qflowd, served with trio.
 
-The protocol's rules (handshake, sessions, heartbeats, close) are
-``qflow.protocol.connection.ProtocolConnection``'s, in its server role; this
-module moves bytes and time between it, the socket and the broker. Each
-connection owns a nursery with a reader (receive up to 256 KiB, decode every
-frame in it, then one ``Broker.flush``), a writer (sends whatever the encoder
-has gathered, as one write) and, if asked for, heartbeats. A connection error
-(bad header, malformed frame, frame too large, protocol misuse) closes that
-connection with a ``connection.close`` naming the fault; other connections
-carry on.
+The protocol and the broker are driven by a sans-I/O ConnectionPump
+(qflow.server.pump); this module moves bytes and time between it and the
+socket. Each connection owns a nursery with a reader (receive up to 256 KiB,
+hand it to the pump, which decodes every frame in it and ends the batch with
+one Broker.flush), a writer (sends whatever the encoder has gathered, as one
+write) and, if asked for, heartbeats. A connection error (bad header,
+malformed frame, frame too large, protocol misuse) closes that connection with
+a ``connection.close`` naming the fault; other connections carry on.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
-from qflow.broker.commands import NO_COMPLETE
-from qflow.protocol import CommandError
-from qflow.protocol.connection import (
-    AttachRequested,
-    ConnectionEnd,
-    DetachRequested,
-    FlushRequested,
-    Opened,
-    ProtocolConnection,
-    Role,
-    State,
-)
-from qflow.protocol.encodings import TRANSFER_FIXARRAY
+from qflow.protocol.connection import ConnectionEnd, Opened
 from qflow.protocol.framing import READ_SIZE, FramingError
+from qflow.server.pump import ConnectionPump
 
 log = logging.getLogger("qflow.server")
-
-RUN_RETRY = 16  # frames to take one by one after a transfer that starts no run
 
 
 def _negotiated(attr: str) -> property:
@@ -46,20 +31,18 @@ def _negotiated(attr: str) -> property:
 
 
 class Connection:
-    """A broker connection: the server role of the protocol state machine,
-    served over ``stream``. The broker reaches it through ``encoder``,
-    ``wake()``, ``deliver_runs`` and ``max_frame_size``; the management API
-    through ``name``, ``peer``, ``connected_at`` and ``sessions``."""
+    """A broker connection served over ``stream``. The management API reads
+    ``name``, ``peer``, ``connected_at`` and ``sessions``."""
 
     def __init__(self, broker: Broker, stream: trio.SocketStream, max_frame_size: int, peer: str) -> None:
         self.broker = broker
         self.stream = stream
         self.peer = peer
         self.connected_at = trio.current_time()
-        self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=self.connected_at)
-        self.decoder = self.protocol.decoder
-        self.encoder = self.protocol.encoder
-        self.sessions: dict[int, BrokerSession] = self.protocol.sessions
+        self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened)
+        self.protocol = self.pump.protocol
+        self.encoder = self.pump.encoder
+        self.sessions: dict[int, BrokerSession] = self.pump.sessions
         self._wake = trio.Event()
         self._closing = False  # the connection is ending: the writer sends what is queued and returns
         self._torn = False  # a write was cut off mid-frame: nothing more can be sent
@@ -67,18 +50,18 @@ class Connection:
         self._heartbeat_scope = trio.CancelScope()
         self._writer_scope = trio.CancelScope(shield=True)
 
-    # The negotiated values, as the broker and the management API read them.
+    # The negotiated values, as the management API reads them.
     name = _negotiated("name")
     heartbeat = _negotiated("heartbeat")
     max_frame_size = _negotiated("max_frame_size")
     deliver_runs = _negotiated("deliver_runs")
 
-    @property
-    def opened(self) -> bool:
-        return self.protocol.state is State.OPEN
-
     def wake(self) -> None:
         self._wake.set()
+
+    def _opened(self, event: Opened) -> None:
+        if event.heartbeat:
+            self._nursery.start_soon(self._send_heartbeats)
 
     async def run(self) -> None:
         """Serve the connection until it ends. Whatever ends it, its sessions
@@ -117,8 +100,7 @@ class Connection:
         finally:
             with trio.CancelScope(shield=True):
                 try:
-                    self._close_sessions()
-                    self.broker.flush()
+                    self.pump.close_sessions()
                 except Exception:
                     log.exception("connection %s: error while closing its sessions", self.peer)
                 if self._torn:
@@ -129,12 +111,6 @@ class Connection:
                     with trio.move_on_after(1):
                         await self._send_pending()
                 await self.stream.aclose()
-
-    def _close_sessions(self) -> None:
-        for ssn in list(self.sessions.values()):
-            if ssn is not None:
-                self.broker.close_session(ssn)
-        self.sessions.clear()
 
     async def _send_pending(self) -> None:
         try:
@@ -187,97 +163,4 @@ class Connection:
                 data = await receive(READ_SIZE)
             if scope.cancelled_caught:
                 raise protocol.peer_timed_out()
-            protocol.receive_data(data, now())  # b"" (the client is gone) ends it
-            self._handle_frames()
-            self.broker.flush()
-
-    def _handle_frames(self) -> None:
-        broker = self.broker
-        sessions = self.sessions
-        decoder = self.decoder
-        last, base = decoder.last_chunk()
-        run = broker.transfer_run if broker.runs is not None and self.opened else None
-        frames = decoder.frames()
-        fixarray, transfer = TRANSFER_FIXARRAY, P.TRANSFER  # a transfer's first two bytes, as usually encoded
-        skip_runs = 0
-        while True:
-            if run is not None:
-                # A run of transfers to one queue is taken whole (Broker.transfer_run);
-                # a transfer that starts none goes below, and so do the next few.
-                i = decoder.position() - base
-                if skip_runs:
-                    skip_runs -= 1
-                elif 0 <= i < len(last) - 2 and last[i] == fixarray and last[i + 1] == transfer:
-                    taken = run(sessions, last, i, decoder.max_frame_size)
-                    if taken:
-                        decoder.skip(taken)
-                        continue
-                    skip_runs = RUN_RETRY
-            frame = next(frames, None)
-            if frame is None:
-                break
-            code = frame[0]
-            if code == transfer and len(frame) == 6:
-                channel = frame[1]
-                ssn = sessions.get(channel) if type(channel) is int else None
-                if ssn is None:
-                    raise self.protocol.no_session(frame)
-                commands = ssn.commands
-                cid = commands.next_id
-                commands.next_id = cid + 1
-                exchange, routing_key, props, body = frame[2], frame[3], frame[4], frame[5]
-                try:
-                    if type(body) is not bytes or type(exchange) is not str or type(routing_key) is not str:
-                        P.parse_command(frame)
-                    # The message is stored as its transfer encoded it, after [30, channel]:
-                    # checked here byte by byte for the usual head, else by the decoder.
-                    i = decoder.frame_begin - base
-                    if i >= 0 and channel < 128 and last[i + 2] == channel and last[i] == fixarray and last[i + 1] == transfer:
-                        tail = last[i + 3:decoder.frame_end - base]
-                    else:
-                        tail = decoder.frame_tail(ssn.transfer_head)
-                    broker.transfer(ssn, cid, exchange, routing_key, props, body, tail)
-                except CommandError as exc:
-                    broker.fail(ssn, cid, exc.code, exc.text)
-            elif code >= P.FIRST_COMMAND:
-                ssn = sessions.get(frame[1]) if len(frame) > 1 and type(frame[1]) is int else None
-                if ssn is None:
-                    raise self.protocol.no_session(frame)
-                cid = ssn.commands.receive()
-                try:
-                    args = P.parse_command(frame)
-                    result = broker.execute(ssn, cid, code, args)
-                except CommandError as exc:
-                    broker.fail(ssn, cid, exc.code, exc.text)
-                    continue
-                if result is NO_COMPLETE:
-                    continue
-                if result is not None:
-                    self.encoder.write([P.RESULT, ssn.channel, cid, result])
-                ssn.commands.complete(cid)
-                broker._dirty_sessions[ssn] = None
-            else:
-                self._control(frame)
-                last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
-                run = broker.transfer_run if broker.runs is not None and self.opened else None
-
-    def _control(self, frame: list[Any]) -> None:
-        """A control frame: the state machine rules, the broker acts."""
-        event = self.protocol.receive_control(frame)
-        if event is None:
-            return
-        kind = type(event)
-        if kind is AttachRequested:
-            ssn = self.broker.open_session(event.channel, event.name, self.encoder, self.wake, self.deliver_runs,
-                                           self.max_frame_size)
-            self.protocol.accept_attach(event.channel, ssn)
-        elif kind is FlushRequested:
-            self.broker._dirty_sessions[event.session] = None  # flush() at the end of this batch reports
-            return
-        elif kind is DetachRequested:
-            self.broker.flush()
-            self.broker.close_session(event.session)
-            self.protocol.finish_detach(event.channel)
-        elif kind is Opened and event.heartbeat:
-            self._nursery.start_soon(self._send_heartbeats)
-        self.wake()
+            self.pump.receive(data, now())  # b"" (the client is gone) ends it

@@ -1,0 +1,160 @@
+"""One client connection of qflowd, sans I/O: its bytes through the protocol
+core into the broker. No trio: the trio glue (qflow.server.connection) and
+the in-memory harness (qflow.testing) both drive a pump.
+
+A read's worth of bytes goes in through :meth:`ConnectionPump.receive`: the
+protocol state machine (qflow.protocol.connection) checks the handshake and
+every control frame; command frames go straight to the broker, a run of
+transfers to one queue in a few C calls (Broker.transfer_run), others frame by
+frame; then one Broker.flush ends the batch. Everything to send (this
+connection's control frames, and its sessions' output, which the broker
+writes) gathers in ``encoder``; ``wake()`` is called when there is some.
+Refusals raise qflow.protocol.connection.ConnectionEnd or
+qflow.protocol.framing.FramingError, with the close frame recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qflow import protocol as P
+from qflow.broker import Broker, BrokerSession
+from qflow.protocol import CommandError
+from qflow.protocol.connection import (
+    AttachRequested,
+    DetachRequested,
+    FlushRequested,
+    Opened,
+    ProtocolConnection,
+    Role,
+    State,
+)
+from qflow.protocol.encodings import TRANSFER_FIXARRAY
+
+RUN_RETRY = 16  # frames to take one by one after a transfer that starts no run
+
+
+def _nothing(*args: Any) -> None:
+    pass
+
+
+class ConnectionPump:
+    """The broker side of one connection, fed bytes. ``wake`` is called when
+    output is waiting in ``encoder``; ``on_opened`` gets the Opened event
+    (the glue starts heartbeats if one was negotiated)."""
+
+    def __init__(self, broker: Broker, max_frame_size: int, now: float,
+                 wake: Callable[[], None] = _nothing, on_opened: Callable[[Opened], None] = _nothing) -> None:
+        self.broker = broker
+        self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=now)
+        self.decoder = self.protocol.decoder
+        self.encoder = self.protocol.encoder
+        self.sessions: dict[int, BrokerSession] = self.protocol.sessions
+        self.wake = wake
+        self.on_opened = on_opened
+
+    @property
+    def opened(self) -> bool:
+        return self.protocol.state is State.OPEN
+
+    def receive(self, data: bytes, now: float) -> None:
+        """One read: ``b""`` when the peer's stream ended (that ends the connection)."""
+        self.protocol.receive_data(data, now)
+        self._handle_frames()
+        self.broker.flush()
+
+    def close_sessions(self) -> None:
+        """The connection is ending: every session is closed (deliveries
+        released, held transfers dropped), and the broker's batch ended."""
+        for ssn in list(self.sessions.values()):
+            if ssn is not None:
+                self.broker.close_session(ssn)
+        self.sessions.clear()
+        self.broker.flush()
+
+    def _handle_frames(self) -> None:
+        broker = self.broker
+        sessions = self.sessions
+        decoder = self.decoder
+        last, base = decoder.last_chunk()
+        run = broker.transfer_run if broker.runs is not None and self.opened else None
+        frames = decoder.frames()
+        fixarray, transfer = TRANSFER_FIXARRAY, P.TRANSFER  # a transfer's first two bytes, as usually encoded
+        skip_runs = 0
+        while True:
+            if run is not None:
+                # A run of transfers to one queue is taken whole (Broker.transfer_run);
+                # a transfer that starts none goes below, and so do the next few.
+                i = decoder.position() - base
+                if skip_runs:
+                    skip_runs -= 1
+                elif 0 <= i < len(last) - 2 and last[i] == fixarray and last[i + 1] == transfer:
+                    taken = run(sessions, last, i, decoder.max_frame_size)
+                    if taken:
+                        decoder.skip(taken)
+                        continue
+                    skip_runs = RUN_RETRY
+            frame = next(frames, None)
+            if frame is None:
+                break
+            code = frame[0]
+            if code == transfer and len(frame) == 6:
+                channel = frame[1]
+                ssn = sessions.get(channel) if type(channel) is int else None
+                if ssn is None:
+                    raise self.protocol.no_session(frame)
+                commands = ssn.commands
+                cid = commands.next_id
+                commands.next_id = cid + 1
+                exchange, routing_key, props, body = frame[2], frame[3], frame[4], frame[5]
+                try:
+                    if type(body) is not bytes or type(exchange) is not str or type(routing_key) is not str:
+                        P.parse_command(frame)
+                    # The message is stored as its transfer encoded it, after [30, channel]:
+                    # checked here byte by byte for the usual head, else by the decoder.
+                    i = decoder.frame_begin - base
+                    if i >= 0 and channel < 128 and last[i + 2] == channel and last[i] == fixarray and last[i + 1] == transfer:
+                        tail = last[i + 3:decoder.frame_end - base]
+                    else:
+                        tail = decoder.frame_tail(ssn.transfer_head)
+                    broker.transfer(ssn, cid, exchange, routing_key, props, body, tail)
+                except CommandError as exc:
+                    broker.fail(ssn, cid, exc.code, exc.text)
+            elif code >= P.FIRST_COMMAND:
+                ssn = sessions.get(frame[1]) if len(frame) > 1 and type(frame[1]) is int else None
+                if ssn is None:
+                    raise self.protocol.no_session(frame)
+                cid = ssn.commands.receive()
+                try:
+                    args = P.parse_command(frame)
+                except CommandError as exc:
+                    broker.fail(ssn, cid, exc.code, exc.text)
+                    continue
+                broker.execute(ssn, cid, code, args)
+            else:
+                self._control(frame)
+                last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
+                run = broker.transfer_run if broker.runs is not None and self.opened else None
+
+    def _control(self, frame: list[Any]) -> None:
+        """A control frame: the state machine rules, the broker acts."""
+        event = self.protocol.receive_control(frame)
+        if event is None:
+            return
+        kind = type(event)
+        if kind is AttachRequested:
+            protocol = self.protocol
+            ssn = self.broker.open_session(event.channel, event.name, self.encoder, self.wake, protocol.deliver_runs,
+                                           protocol.max_frame_size)
+            self.protocol.accept_attach(event.channel, ssn)
+        elif kind is FlushRequested:
+            self.broker.report(event.session)  # flush() at the end of this batch reports
+            return
+        elif kind is DetachRequested:
+            self.broker.flush()
+            self.broker.close_session(event.session)
+            self.protocol.finish_detach(event.channel)
+        elif kind is Opened:
+            self.on_opened(event)
+        self.wake()
