@@ -171,6 +171,7 @@ class MemoryClient:
         self.harness = harness
         self.protocol = ProtocolConnection(Role.CLIENT, name=name, max_frame_size=max_frame_size)
         self.pump = ConnectionPump(harness.broker, max_frame_size, 0.0)
+        self.flow_notices: list[tuple[int, str, bool]] = []  # (channel, queue, held), as received
 
     def session(self, name: str = "") -> MemorySession:
         ssn = MemorySession(self)
@@ -204,6 +205,7 @@ class MemoryClient:
                 event.session.failures[event.command_id] = (event.code, event.text)
             elif kind is FlowNotice:
                 (event.session.held_by.add if event.held else event.session.held_by.discard)(event.queue)
+                self.flow_notices.append((event.session.channel, event.queue, event.held))
         return True
 
     def _deliveries(self, frame: list[Any]) -> None:

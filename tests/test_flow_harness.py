@@ -158,3 +158,20 @@ def test_default_thresholds_are_percentages_of_the_maximum():
     p = h.connect().session()
     stats = p.declare_queue("q", {"qpid.max_size": 10000}) and p.query("q")
     assert (stats["flowStopSize"], stats["flowResumeSize"]) == (9000, 7500)
+
+
+def test_release_notices_go_out_in_the_order_the_sessions_were_held(harness: Harness):
+    """Deterministic output: when a queue resumes, the sessions it held are told in
+    the order they were held (the broker once kept them in a set, whose order
+    followed object addresses; test_runs_change_nothing_but_speed caught it)."""
+    client = harness.connect()
+    sessions = [client.session(f"s{i}") for i in range(6)]
+    sessions[0].declare_queue("q", {"qpid.flow_stop_count": 1, "qpid.flow_resume_count": 1})
+    order = [3, 0, 5, 1, 4, 2]
+    for i in order:
+        send(harness, sessions[i], "q", 2 if i == order[0] else 1)
+    assert all(s.held_by == {"q"} for s in sessions)
+    held = [ch for ch, _, on in client.flow_notices if on]
+    sessions[0].call(P.QUEUE_MODIFY, "q", {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0})  # flow off
+    released = [ch for ch, _, on in client.flow_notices if not on]
+    assert held == released == [sessions[i].channel for i in order]

@@ -63,7 +63,10 @@ class FlowLimit:
         # seq -> the accounting's hold token, for messages whose transfer is held
         # here: only while this queue's flow is stopped.
         self.tokens: dict[int, int] = {}
-        self.held_sessions: set[Any] = set()  # sessions told their transfers are held here
+        # Sessions told their transfers are held here, in the order they were told: a dict,
+        # not a set, so the release notices go out in that order (a set's order follows
+        # object addresses, and differed from run to run).
+        self.held_sessions: dict[Any, None] = {}
         self.writers: dict[Any, int] = {}  # session -> its announced sender capacity
         self.worst_warned = False
 
@@ -145,7 +148,7 @@ class FlowControl:
     def drop_session(self, ssn: BrokerSession) -> None:
         """A closed session's transfers are forgotten: never held, never reported."""
         for q in self.queues.values():
-            q.flow.held_sessions.discard(ssn)
+            q.flow.held_sessions.pop(ssn, None)
             q.flow.writers.pop(ssn, None)
         self.acct.drop_session(ssn.slot)
         self.sessions.pop(ssn.slot, None)
@@ -169,7 +172,7 @@ class FlowControl:
             q.flow.tokens[seqs[op_index]] = token  # type: ignore[index]
             ssn = self.sessions.get(session_slot)
             if ssn is not None and ssn not in q.flow.held_sessions:
-                q.flow.held_sessions.add(ssn)
+                q.flow.held_sessions[ssn] = None
                 ssn.held_since[q.name] = time.time()
                 ssn.out.write([FLOW_NOTICE, ssn.channel, q.name, True])
                 self.dirty[ssn] = None
