@@ -204,10 +204,12 @@ static int over_stop(uint32_t count, uint64_t nbytes, const struct queue *q)
     return (q->stop_count > 0 && count > q->stop_count) || (q->stop_size > 0 && nbytes > q->stop_size);
 }
 
-/* A unit whose stop threshold is zero is not in force. */
+/* A unit whose *resume* threshold is zero takes no part in resuming, as in qpidd's
+   QueueFlowLimit::dequeued: a unit with stop 0 and a resume left by qpidd's resolution
+   must still drain below that resume. */
 static int under_resume(uint32_t count, uint64_t nbytes, const struct queue *q)
 {
-    return (q->stop_count == 0 || count < q->resume_count) && (q->stop_size == 0 || nbytes < q->resume_size);
+    return (q->resume_count == 0 || count < q->resume_count) && (q->resume_size == 0 || nbytes < q->resume_size);
 }
 
 static int32_t new_transfer(acct_state *st, int64_t session, int64_t command_id)

@@ -62,8 +62,9 @@ int64_t acct_add_queue(acct_state *st);
 int acct_check_queue(const acct_state *st, int64_t queue);
 /* Releases the queue's held transfers into completions. */
 int acct_remove_queue(acct_state *st, int64_t queue);
-/* The caller has validated resume <= stop for both units. Fills completions
- * and transitions. */
+/* The caller has validated resume <= stop for each unit whose stop is non-zero
+ * (a unit with stop 0 may have a resume: it then takes part in resuming only).
+ * Fills completions and transitions. */
 int acct_set_thresholds(acct_state *st, int64_t queue, uint32_t stop_count, uint32_t resume_count,
                         uint64_t stop_size, uint64_t resume_size);
 /* Replays nwords int64 words of op log. On error the ops before err_op have

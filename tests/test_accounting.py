@@ -397,7 +397,7 @@ def test_unknown_queue(acc):
         lambda: acc.stats(q),
         lambda: acc.remove_queue(q),
         lambda: acc.set_thresholds(q, 1, 0, 0, 0),
-        lambda: acc.set_thresholds(q, 0, 1, 0, 0),  # the queue is checked first
+        lambda: acc.set_thresholds(q, 1, 2, 0, 0),  # the queue is checked first
         lambda: acc.stats(1 << 70),
     ):
         with pytest.raises(AccountingError, match="^unknown queue slot"):
@@ -412,10 +412,35 @@ def test_bad_thresholds(acc):
         ((COUNT_MAX + 1, 0, 0, 0), "count"),
         ((0, 0, 1, 2), "size"),
         ((0, 0, SIZE_MAX + 1, 0), "size"),
+        ((0, COUNT_MAX + 1, 0, 0), "count"),  # a resume beside a zero stop is still bounded
+        ((0, -1, 0, 0), "count"),
+        ((0, 0, 0, SIZE_MAX + 1), "size"),
     ):
         with pytest.raises(AccountingError, match=f"bad {what} thresholds"):
             acc.set_thresholds(q, *args)
     assert acc.set_thresholds(q, COUNT_MAX, 0, SIZE_MAX, SIZE_MAX) == ([], [])
+    # qpidd's resolution can leave a unit with stop 0 and a resume: accepted.
+    assert acc.set_thresholds(q, 0, COUNT_MAX, 0, SIZE_MAX) == ([], [])
+    assert acc.set_thresholds(q, 0, 5, 100, 70) == ([], [])
+
+
+def test_a_unit_with_stop_zero_and_a_resume_takes_part_in_resuming(acc):
+    # qpidd's QueueFlowLimit::dequeued: flow turns off when "(flowResumeSize == 0 || size <
+    # flowResumeSize) && (flowResumeCount == 0 || count < flowResumeCount)": a unit is left out
+    # only when its *resume* is 0. {qpid.flow_stop_count 10, qpid.flow_stop_size 0} under the default
+    # 100 MB limit resolves to count 10/10 and size 0/73400320: the bytes must drain too.
+    q = acc.add_queue()
+    acc.set_thresholds(q, 10, 10, 0, 73400320)
+    fill(acc, q, 11, 9_000_000)  # the 11th message stops flow (count 11 > 10); 99 MB are queued
+    assert flow(acc, q)
+    assert drain(acc, q, 2, 9_000_000) == ([], [], [])  # count 9 < 10, but 81 MB is not < 73400320 bytes
+    assert flow(acc, q)  # (the old rule, "a unit with stop 0 is not in force", resumed here)
+    assert drain(acc, q, 1, 9_000_000) == ([], [], [(q, False, 8, 72_000_000)])
+    # A unit with both thresholds 0 is left out, as before: the bytes do not matter here.
+    r = acc.add_queue()
+    acc.set_thresholds(r, 2, 1, 0, 0)
+    fill(acc, r, 3, 1 << 40)
+    assert drain(acc, r, 3, 1 << 40)[2] == [(r, False, 0, 0)]
 
 
 @pytest.mark.parametrize(
@@ -666,6 +691,12 @@ def set_thresholds(both, queue: int, f: Fields) -> None:
         resume_count = stop_count - f.take(stop_count + 1)
         stop_size = f.pick([0, 2000, 0, 500, SIZE_MAX])
         resume_size = stop_size - f.take(stop_size + 1)
+        # qpidd's resolution may leave a unit with stop 0 and a resume (which then takes part in
+        # resuming only): give such units a resume now and then.
+        if stop_count == 0 and f.take(2):
+            resume_count = f.pick([3, 1, COUNT_MAX])
+        if stop_size == 0 and f.take(2):
+            resume_size = f.pick([1500, 1, SIZE_MAX])
     else:
         odd = [0, -1, 3, COUNT_MAX, COUNT_MAX + 1, SIZE_MAX + 1]
         stop_count, resume_count, stop_size, resume_size = (f.pick(odd) for _ in range(4))

@@ -27,7 +27,9 @@ from qflow.client import (
 from qflow.protocol.framing import PROTOCOL_HEADER
 
 TIMEOUT = 30  # generous: a slow, noisy machine must still pass
-NO_FLOW = {"qpid.flow_stop_count": 0}  # explicit zero thresholds: limits without producer flow control
+# Limits without producer flow control: both stop thresholds 0, the manual's per-queue switch. (One stop
+# key at 0 was enough under qflow's old rule; qpidd pre-fills the other unit's stop from the limit.)
+NO_FLOW = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0}
 
 
 # -- helpers -------------------------------------------------------------------

@@ -394,6 +394,34 @@ async def test_live_threshold_change_releases_held_transfers(running, ssn):
     assert (s["flowStopped"], s["msgDepth"], s["flowStoppedCount"]) == (False, 4, 1)
 
 
+async def test_modify_resolves_the_arguments_plus_the_change_as_a_declare(running, ssn):
+    # Issue 13: a live change re-resolves against the queue's arguments plus the change, by qpidd's rule.
+    await ssn.declare_queue("q", arguments={"qpid.max_count": 1000, "qpid.flow_stop_count": 900})
+    s = await stats(ssn, "q")  # "resumes at 700 (the default 70 %), and keeps the size thresholds"
+    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopSize"], s["flowResumeSize"]) == (
+        900, 700, 83886080, 73400320)
+    s = await ssn.modify_queue("q", {"qpid.flow_resume_count": 0})  # resume 0 becomes the stop
+    assert (s["flowStopCount"], s["flowResumeCount"]) == (900, 900)
+    s = await ssn.modify_queue("q", {"qpid.max_count": 100, "qpid.flow_stop_count": 80, "qpid.flow_resume_count": 5})
+    assert (s["flowStopCount"], s["flowResumeCount"], s["maxCount"]) == (80, 5, 100)
+    with pytest.raises(qflow.InvalidArgument, match=r"qpid\.flow_resume_size=73400320"):
+        await ssn.modify_queue("q", {"qpid.flow_stop_size": 5000})  # the pre-filled resume size is larger
+    s = await stats(ssn, "q")  # a refused change changes nothing
+    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopSize"]) == (80, 5, 83886080)
+    assert "qpid.flow_stop_size" not in s["arguments"]
+
+
+async def test_resume_without_stop_is_accepted_with_a_warning(running, ssn, caplog):
+    # qpidd's createLimit logs a warning for a resume key with no stop key, and creates the queue.
+    caplog.set_level(logging.WARNING, logger="qflow.broker")
+    await ssn.declare_queue("q", arguments={"qpid.flow_resume_count": 5})
+    s = await stats(ssn, "q")
+    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopSize"], s["flowResumeSize"]) == (
+        0, 5, 83886080, 73400320)
+    warnings = [r.getMessage() for r in caplog.records if "qpid.flow_resume_count given without" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith('queue "q": ')
+
+
 async def test_flow_transitions_are_logged_with_threshold_and_depth(running, ssn, caplog):
     caplog.set_level(logging.INFO, logger="qflow.broker")
     await ssn.declare_queue("orders", arguments={"qpid.flow_stop_count": 3, "qpid.flow_resume_count": 2})
@@ -407,7 +435,9 @@ async def test_flow_transitions_are_logged_with_threshold_and_depth(running, ssn
         await sender.sync()
     lines = [r.getMessage() for r in caplog.records if "flow" in r.getMessage()]
     assert 'queue "orders": flow stopped (count 4 > 3)' in lines
-    assert 'queue "orders": flow resumed (count 1 < 2)' in lines
+    # The size unit takes part in resuming too: qpidd pre-fills its resume from the 100 MB default limit
+    # (the old rule, where any flow key dropped the defaults, logged "(count 1 < 2)" alone).
+    assert 'queue "orders": flow resumed (count 1 < 2, bytes 1 < 73400320)' in lines
     assert len(lines) == 2  # never per message
 
 
@@ -448,14 +478,24 @@ async def test_blocked_send_warns_every_notify_period(running, ssn, caplog):
     assert warnings and all("flow control on queue slowq" in w for w in warnings)
 
 
-async def test_modify_with_stop_zero_turns_flow_control_off(running, ssn):
+async def test_modify_with_both_stops_zero_turns_flow_control_off(running, ssn):
     await ssn.declare_queue("q", arguments={"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1})
     sender = ssn.sender("q", capacity=10)
     for _ in range(4):
         await sender.send(b"x")
     await wait_for(lambda: sender.incomplete == 2)
+    # The change is resolved with the queue's arguments as a declare would be. {stop_count 0, resume_count 1}
+    # leaves the count unit stop 0 / resume 1 and the size unit its pre-filled 80 MB / 70 MB: qpidd's
+    # flow limit still exists, and 4 messages are not below the resume count of 1, so flow stays ON. (The
+    # old rule dropped the resume count and turned flow off here.)
     s = await ssn.modify_queue("q", {"qpid.flow_stop_count": 0})
-    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopped"]) == (0, 0, False)
-    assert "qpid.flow_resume_count" not in s["arguments"]
+    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopped"]) == (0, 1, True)
+    assert s["arguments"]["qpid.flow_resume_count"] == 1
+    assert sender.incomplete == 2
+    # The manual: "disable flow control on a per queue basis by setting the flow-stop-size and
+    # flow-stop-count to zero": no flow limit at all, flow OFF, the held transfers complete.
+    s = await ssn.modify_queue("q", {"qpid.flow_stop_size": 0})
+    assert (s["flowStopCount"], s["flowResumeCount"], s["flowStopSize"], s["flowResumeSize"]) == (0, 0, 0, 0)
+    assert not s["flowStopped"]
     with trio.fail_after(20):
         await sender.sync()

@@ -157,6 +157,29 @@ def test_default_ratios_through_the_api(daemon: Daemon) -> None:
 
 
 @pytest.mark.native_only
+@pytest.mark.native_only
+def test_qpid_config_thresholds_resolve_as_qpidd(daemon: Daemon) -> None:
+    """add queue and modify queue go through qpidd's resolution (qflow.broker.flow): the broker's
+    percentages pre-fill all four thresholds, and each option replaces its own value only."""
+    d = daemon
+    ok(config(d, "add", "queue", "qpidd-r1", "--max-queue-count", "1000", "--flow-stop-count", "900"))
+    q = queue(d, "qpidd-r1")  # resumes at 70 % of 1000, keeps the size thresholds of the 100 MB default limit
+    assert (q["flowStopCount"], q["flowResumeCount"], q["flowStopSize"], q["flowResumeSize"]) == (
+        900, 700, 83886080, 73400320)
+    # modify: the queue's arguments plus the change, resolved again: the resume count is pre-filled again.
+    ok(config(d, "modify", "queue", "qpidd-r1", "--max-queue-count", "2000", "--flow-stop-count", "1600"))
+    q = queue(d, "qpidd-r1")
+    assert (q["flowStopCount"], q["flowResumeCount"]) == (1600, 1400)
+    ok(config(d, "add", "queue", "qpidd-r2", "--flow-resume-count", "5"))  # resume without stop: accepted
+    assert queue(d, "qpidd-r2")["flowResumeCount"] == 5
+    # A stop size alone is refused: the pre-filled resume size (70 % of 100 MB) is larger.
+    result = config(d, "add", "queue", "qpidd-r3", "--flow-stop-size", "5000")
+    assert result.returncode == 1
+    assert "qpid.flow_resume_size=73400320" in result.stderr and "qpid.flow_stop_size=5000" in result.stderr
+    for name in ("qpidd-r1", "qpidd-r2"):  # the daemon is shared by the module's tests
+        ok(config(d, "del", "queue", name))
+
+
 def test_refusals_have_messages_and_exit_codes(daemon: Daemon) -> None:
     d = daemon
     b = f"127.0.0.1:{d.port}"
@@ -165,13 +188,13 @@ def test_refusals_have_messages_and_exit_codes(daemon: Daemon) -> None:
     # Broker refusals: exit 1, the broker's message on stderr.
     expected = [
         (("qflow-config", "-b", m, "add", "queue", "bad", "--flow-stop-count", "5", "--flow-resume-count", "10"),
-         "qpid.flow_resume_count (10) must not exceed qpid.flow_stop_count (5)"),
+         "qpid.flow_resume_count=10 must be less than or equal to qpid.flow_stop_count=5"),
         (("qflow-config", "-b", m, "add", "queue", "full", "--durable"), "already exists"),
         (("qflow-config", "-b", m, "del", "queue", "missing"), "'missing' not found"),
         (("qflow-config", "-b", m, "add", "exchange", "bogus", "ex"), "type must be one of"),
         (("qflow-config", "-b", m, "unbind", "amq.direct", "full", "k"), "is not bound"),
         (("qflow-config", "-b", m, "modify", "queue", "full", "--max-queue-count", "1", "--flow-stop-count", "2"),
-         "must not exceed qpid.max_count"),
+         "qpid.flow_stop_count=2 must be less than or equal to qpid.max_count=1"),
         (("qflow-config", "-b", "127.0.0.1:1", "queues"), "cannot reach"),
         (("qflow-send", "-b", b, "-a", "missing"), "queue 'missing' not found"),
         (("qflow-send", "-b", b, "-a", "nowhere/key"), "exchange 'nowhere' not found"),

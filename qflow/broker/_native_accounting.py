@@ -21,6 +21,7 @@ from qflow.broker.ops import (
     Completion,
     Hold,
     Transition,
+    thresholds_ok,
 )
 
 _INT64_MIN = -(1 << 63)
@@ -66,8 +67,8 @@ class NativeAccounting:
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
     ) -> tuple[list[Completion], list[Transition]]:
         slot = _slot(queue)
-        counts_ok = 0 <= resume_count <= stop_count <= COUNT_MAX
-        sizes_ok = 0 <= resume_size <= stop_size <= SIZE_MAX
+        counts_ok = thresholds_ok(stop_count, resume_count, COUNT_MAX)
+        sizes_ok = thresholds_ok(stop_size, resume_size, SIZE_MAX)
         if not (counts_ok and sizes_ok):
             # PyAccounting looks the queue up before validating.
             self._check(lib.acct_check_queue(self._st, slot), queue)

@@ -12,7 +12,12 @@ The rules (Qpid C++ broker manual, "Producer Flow Control"):
   (count > stop_count or bytes > stop_size; a zero threshold is not in force).
 * "it remains ON until the total number of enqueued messages is less than
   [resume]" -- and with both units, "until both resume thresholds are
-  satisfied" (count < resume_count AND bytes < resume_size, for those in force).
+  satisfied" (count < resume_count AND bytes < resume_size). A unit takes part
+  in resuming when its *resume* threshold is non-zero, as in qpidd's
+  ``QueueFlowLimit::dequeued``: qpidd's resolution (``qflow.broker.flow``) can
+  leave a unit with stop 0 and a pre-filled resume, and that unit must still
+  drain below it. Hence ``set_thresholds`` requires resume <= stop only for a
+  unit whose stop is non-zero.
 * "The Broker enforces flow control by delaying the completion of the
   Message.Transfer command that causes a message to be delivered to a queue
   with active flow control ... until flow control state transitions to OFF for
@@ -79,6 +84,7 @@ from qflow.broker.ops import (  # noqa: F401 - the op log's format, re-exported 
     Completion,
     Hold,
     Transition,
+    thresholds_ok,
 )
 
 
@@ -107,8 +113,9 @@ class _Queue:
         )
 
     def under_resume(self) -> bool:
-        return (self.stop_count == 0 or self.count < self.resume_count) and (
-            self.stop_size == 0 or self.nbytes < self.resume_size
+        # A zero *resume* threshold leaves its unit out (qpidd's dequeued()), not a zero stop.
+        return (self.resume_count == 0 or self.count < self.resume_count) and (
+            self.resume_size == 0 or self.nbytes < self.resume_size
         )
 
 
@@ -158,9 +165,9 @@ class PyAccounting:
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
     ) -> tuple[list[Completion], list[Transition]]:
         q = self._queue(queue)
-        if not (0 <= resume_count <= stop_count <= COUNT_MAX):
+        if not thresholds_ok(stop_count, resume_count, COUNT_MAX):
             raise AccountingError(f"bad count thresholds {stop_count}/{resume_count}")
-        if not (0 <= resume_size <= stop_size <= SIZE_MAX):
+        if not thresholds_ok(stop_size, resume_size, SIZE_MAX):
             raise AccountingError(f"bad size thresholds {stop_size}/{resume_size}")
         q.stop_count, q.resume_count = stop_count, resume_count
         q.stop_size, q.resume_size = stop_size, resume_size

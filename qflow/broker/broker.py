@@ -24,7 +24,7 @@ from qflow.broker.accounting import load_accounting
 from qflow.broker.commands import HANDLERS, NO_COMPLETE
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
-from qflow.broker.flow import FlowDefaults, SettingsError, resolve
+from qflow.broker.flow import FlowDefaults, SettingsError, resolve, resume_without_stop
 from qflow.broker.flow_limit import FlowControl, pack_op
 from qflow.broker.ops import OP_END, OP_TRANSFER, Accounting
 from qflow.broker.queue import Consumer, Queue
@@ -395,6 +395,7 @@ class Broker:
             settings = resolve(arguments, self.defaults)
         except SettingsError as exc:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.declare {name!r}: {exc}") from None
+        self._warn_resume_without_stop(name, arguments)
         q = Queue(name, durable, exclusive, auto_delete, arguments, settings, self.flow.add_queue(settings),
                   self.flow, self._ready, owner if exclusive else None)
         self.flow.attach(q)
@@ -405,21 +406,28 @@ class Broker:
     def modify_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
         """Change a live queue's limits and thresholds; re-evaluates its flow state.
 
-        Setting a stop threshold to 0 turns that unit off, so its old resume
-        threshold goes too unless the change names one."""
+        The queue's arguments with the change laid over them are resolved
+        exactly as a declare of them would be (qflow.broker.flow), so a live
+        queue never has thresholds a declare could not give it: a key the
+        change leaves out keeps its value, and a threshold no key names is
+        pre-filled from the broker defaults again."""
         merged = {**q.arguments, **arguments}
-        for stop_key, resume_key in (("qpid.flow_stop_count", "qpid.flow_resume_count"),
-                                     ("qpid.flow_stop_size", "qpid.flow_resume_size")):
-            if arguments.get(stop_key) == 0 and resume_key not in arguments:
-                merged.pop(resume_key, None)
         try:
             settings = resolve(merged, self.defaults)
         except SettingsError as exc:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.modify {q.name!r}: {exc}") from None
+        self._warn_resume_without_stop(q.name, merged)
         completions = self.flow.set_thresholds(q, settings)
         q.arguments = merged
         q.set_settings(settings)
         self._complete(completions)
+
+    @staticmethod
+    def _warn_resume_without_stop(name: str, arguments: dict[str, Any]) -> None:
+        # qpidd accepts such a queue and logs a warning; so does qflowd (the queue is not refused).
+        warning = resume_without_stop(arguments)
+        if warning:
+            log.warning('queue "%s": %s', name, warning)
 
     def delete_queue(self, name: str, if_empty: bool = False, if_unused: bool = False) -> int:
         q = self.queue("queue.delete", name)

@@ -1,24 +1,35 @@
-"""Queue limits and flow-control thresholds: the one place that validates them.
+"""Queue limits and flow-control thresholds: the one place that resolves them.
 
-The rules are the Qpid C++ broker's ("Producer Flow Control"):
+A queue's four thresholds are worked out exactly as the Qpid C++ broker works
+them out (``QueueFlowLimit::createLimit`` and ``validateFlowConfig``), so a
+queue declaration copied from qpidd gets the same flow control here:
 
-* "Flow Stop Threshold: the level of queue resource utilization above which
-  flow control will be enabled"; "Flow Resume Threshold: the level ... below
-  which flow control will be disabled"; stop must be >= resume.
-* "By default, the C++ broker assigns a queue's flow stop and flow resume
-  thresholds when the queue is created", as percentages of the queue's maximum
-  (``--default-flow-stop-threshold`` 80, ``--default-flow-resume-threshold``
-  70); "the value 0 for both ... disable[s] default queue flow control".
-* "queues that have been configured with a Limit Policy of type RING or
-  RING-STRICT do NOT have queue flow thresholds".
-* "The user may disable flow control on a per queue basis by setting the
-  flow-stop-size and flow-stop-count to zero for the queue."
+1. Ring queues (``ring``, ``ring-strict``) get no flow limit: "queues that have
+   been configured with a Limit Policy of type RING or RING-STRICT do NOT have
+   queue flow thresholds". Their ``qpid.flow_*`` keys are type-checked, then
+   ignored.
+2. The maximum by count is ``qpid.max_count`` (0 if absent); by size,
+   ``qpid.max_size``, or else ``--default-queue-limit``.
+3. All four thresholds are pre-filled from the broker's percentages, each only
+   when that percentage is non-zero: stop = maximum x (stop% / 100.0) + 0.5,
+   resume = maximum x (resume% / 100.0), computed in IEEE double and truncated
+   (so 90 messages at 70 % resume at 62, not 63). A size beyond 2**64 - 1 after
+   the arithmetic saturates at it (qpidd's conversion is undefined there).
+4. Each ``qpid.flow_*`` key the user gave replaces only its own value; the
+   other three keep their pre-filled values.
+5. If either stop value is non-zero the queue has a flow limit, and each unit
+   is checked: where its stop is non-zero, resume > stop is refused, a resume of
+   0 becomes equal to the stop, and a stop above a non-zero maximum is refused.
+   A unit whose stop is 0 keeps its resume value unchecked. If both stops are
+   0, the queue has no flow limit and all four thresholds are 0.
+6. A resume key given without any stop key is accepted; the broker logs a
+   warning about it (``resume_without_stop``), as qpidd does.
 
-Decisions where the manual is silent: any of the four ``qpid.flow_*`` keys
-makes the thresholds explicit (defaults then apply to neither unit); a resume
-threshold of 0 or absent equals its stop threshold; on a ring queue the flow
-keys are ignored, as qpidd does. Applying the thresholds to depths is the
-accounting's job (``qflow.broker.accounting``); this module only decides them.
+At run time (``qflow.broker.accounting``, qpidd's ``QueueFlowLimit``) a unit
+takes part in stopping when its *stop* is non-zero and in resuming when its
+*resume* is non-zero: so a unit resolved to stop 0 with a pre-filled resume
+still has to drain below that resume before flow turns off, as in qpidd.
+This module only decides the values.
 """
 
 from __future__ import annotations
@@ -96,60 +107,115 @@ def _uint(arguments: dict[str, Any], key: str, limit: int) -> int | None:
 
 
 def stop_of(maximum: int, pct: int) -> int:
-    """floor(max x pct% + 0.5), in integers."""
-    return (maximum * pct * 2 + 100) // 200
+    """qpidd's pre-filled stop threshold: maximum x (pct / 100.0) + 0.5 in IEEE double, truncated.
+
+    Python's float is the same IEEE double as qpidd's C++ (int to double rounds to
+    nearest, then one rounded multiply and one rounded add), so the results agree
+    bit for bit, including where exact arithmetic would round the other way."""
+    return min(int(maximum * (pct / 100.0) + 0.5), SIZE_MAX)
 
 
 def resume_of(maximum: int, pct: int) -> int:
-    """floor(max x pct%), in integers."""
-    return maximum * pct // 100
+    """qpidd's pre-filled resume threshold: maximum x (pct / 100.0) in IEEE double, truncated."""
+    return min(int(maximum * (pct / 100.0)), SIZE_MAX)
+
+
+def resume_without_stop(arguments: dict[str, Any]) -> str | None:
+    """The warning qpidd logs for a resume key given without any stop key (rule 6), or None.
+
+    Such a queue is accepted: the resume value applies, with the pre-filled stop
+    thresholds (none if the broker's percentages are 0)."""
+    if arguments.get(POLICY) in ("ring", "ring-strict"):
+        return None  # qpidd decides "no flow limit" for a ring queue before it looks at flow keys
+    if STOP_COUNT in arguments or STOP_SIZE in arguments:
+        return None
+    given = [key for key in (RESUME_COUNT, RESUME_SIZE) if key in arguments]
+    if not given:
+        return None
+    return (f"{' and '.join(given)} given without {STOP_COUNT} or {STOP_SIZE}: "
+            "the stop thresholds are the broker's defaults")
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One unit of measure (count or size) while a queue's thresholds are resolved."""
+
+    stop_key: str
+    resume_key: str
+    maximum: int  # the queue's maximum in this unit, 0 = none
+    max_label: str  # where the maximum came from, for error texts
+
+
+def _shown(unit: _Unit, key: str, value: int, arguments: dict[str, Any], pct: int) -> str:
+    """``key=value`` as qpidd's texts spell it, saying so when the value is a pre-filled default
+    (the user may not have written that key at all)."""
+    if key in arguments:
+        return f"{key}={value}"
+    return f"{key}={value} (the default: {pct} % of {unit.max_label})"
+
+
+def _validate(unit: _Unit, stop: int, resume: int, arguments: dict[str, Any], defaults: FlowDefaults) -> int:
+    """qpidd's validateFlowConfig for one unit; returns the resume threshold in force."""
+    if not stop:
+        return resume  # a unit with stop 0 is not checked, and keeps its resume (rule 5)
+    if resume > stop:
+        raise SettingsError(
+            f"{_shown(unit, unit.resume_key, resume, arguments, defaults.resume_pct)} must be less than or "
+            f"equal to {_shown(unit, unit.stop_key, stop, arguments, defaults.stop_pct)}")
+    if resume == 0:
+        # A literal 0 could never be undercut: the queue would stay stopped for good.
+        resume = stop
+    if unit.maximum and stop > unit.maximum:
+        raise SettingsError(
+            f"{_shown(unit, unit.stop_key, stop, arguments, defaults.stop_pct)} must be less than or "
+            f"equal to {unit.max_label}")
+    return resume
 
 
 def resolve(arguments: dict[str, Any], defaults: FlowDefaults) -> QueueSettings:
-    """Validate a queue's arguments and decide its limits and flow thresholds."""
+    """Validate a queue's arguments and decide its limits and flow thresholds, as qpidd does."""
     max_count = _uint(arguments, MAX_COUNT, COUNT_MAX)
     max_size = _uint(arguments, MAX_SIZE, SIZE_MAX)
     policy = arguments.get(POLICY, "reject")
     if policy not in POLICIES:
         raise SettingsError(f"{POLICY} must be one of {', '.join(POLICIES)}, not {policy!r}")
-    size_limit_key = MAX_SIZE
+    given = {key: _uint(arguments, key, COUNT_MAX if key in (STOP_COUNT, RESUME_COUNT) else SIZE_MAX)
+             for key in FLOW_KEYS}
+    # Rule 2: the maxima the percentages apply to.
+    max_count = max_count or 0
+    size_label = f"{MAX_SIZE}={max_size}"
     if max_size is None:
         max_size = defaults.queue_limit
-        size_limit_key = "--default-queue-limit"
-    max_count = max_count or 0
-    if policy in ("ring", "ring-strict"):
+        size_label = f"{MAX_SIZE}={max_size} from --default-queue-limit"
+    if policy in ("ring", "ring-strict"):  # rule 1: the flow keys were type-checked above, and are ignored
         if not max_count and not max_size:
             raise SettingsError(f"{POLICY}={policy} needs {MAX_COUNT} or {MAX_SIZE}")
-        for key in FLOW_KEYS:  # validated for type, then ignored: ring queues never get flow control
-            _uint(arguments, key, SIZE_MAX)
         return QueueSettings(max_count, max_size, policy, 0, 0, 0, 0)
 
-    explicit = any(key in arguments for key in FLOW_KEYS)
-    if explicit:
-        stop_count = _uint(arguments, STOP_COUNT, COUNT_MAX) or 0
-        resume_count = _uint(arguments, RESUME_COUNT, COUNT_MAX) or stop_count
-        stop_size = _uint(arguments, STOP_SIZE, SIZE_MAX) or 0
-        resume_size = _uint(arguments, RESUME_SIZE, SIZE_MAX) or stop_size
-    elif defaults.stop_pct == 0 and defaults.resume_pct == 0:
-        stop_count = resume_count = stop_size = resume_size = 0
-    else:
-        stop_count = stop_of(max_count, defaults.stop_pct) if max_count else 0
-        resume_count = resume_of(max_count, defaults.resume_pct) if max_count else 0
-        stop_size = stop_of(max_size, defaults.stop_pct) if max_size else 0
-        resume_size = resume_of(max_size, defaults.resume_pct) if max_size else 0
-        # As for explicit thresholds, a resume threshold of 0 equals its stop threshold
-        # (a literal 0 could never be undercut: the queue would stay stopped for good).
-        resume_count = resume_count or stop_count
-        resume_size = resume_size or stop_size
-
-    if resume_count > stop_count:
-        raise SettingsError(f"{RESUME_COUNT} ({resume_count}) must not exceed {STOP_COUNT} ({stop_count})")
-    if resume_size > stop_size:
-        raise SettingsError(f"{RESUME_SIZE} ({resume_size}) must not exceed {STOP_SIZE} ({stop_size})")
-    if max_count and stop_count > max_count:
-        raise SettingsError(f"{STOP_COUNT} ({stop_count}) must not exceed {MAX_COUNT} ({max_count})")
-    if max_size and stop_size > max_size:
-        raise SettingsError(f"{STOP_SIZE} ({stop_size}) must not exceed {size_limit_key} ({max_size})")
+    # Rule 3: pre-fill from the broker's percentages, each only when it is non-zero.
+    stop_count = resume_count = stop_size = resume_size = 0
+    if defaults.stop_pct:
+        stop_count = stop_of(max_count, defaults.stop_pct)
+        stop_size = stop_of(max_size, defaults.stop_pct)
+    if defaults.resume_pct:
+        resume_count = resume_of(max_count, defaults.resume_pct)
+        resume_size = resume_of(max_size, defaults.resume_pct)
+    # Rule 4: each key given replaces its own value only.
+    if given[STOP_COUNT] is not None:
+        stop_count = given[STOP_COUNT]
+    if given[RESUME_COUNT] is not None:
+        resume_count = given[RESUME_COUNT]
+    if given[STOP_SIZE] is not None:
+        stop_size = given[STOP_SIZE]
+    if given[RESUME_SIZE] is not None:
+        resume_size = given[RESUME_SIZE]
+    # Rule 5: both stops 0 is no flow limit at all; otherwise each unit is checked, count first.
+    if not stop_count and not stop_size:
+        return QueueSettings(max_count, max_size, policy, 0, 0, 0, 0)
+    count = _Unit(STOP_COUNT, RESUME_COUNT, max_count, f"{MAX_COUNT}={max_count}")
+    size = _Unit(STOP_SIZE, RESUME_SIZE, max_size, size_label)
+    resume_count = _validate(count, stop_count, resume_count, arguments, defaults)
+    resume_size = _validate(size, stop_size, resume_size, arguments, defaults)
     return QueueSettings(max_count, max_size, policy, stop_count, resume_count, stop_size, resume_size)
 
 
@@ -163,9 +229,9 @@ def describe_transition(name: str, s: QueueSettings, flow_on: bool, count: int, 
         else:
             why = f"count {count}, bytes {nbytes}"
         return f'queue "{name}": flow stopped ({why})'
-    parts = []
-    if s.stop_count:
+    parts = []  # the units that took part in resuming: those with a resume threshold, as in qpidd
+    if s.resume_count:
         parts.append(f"count {count} < {s.resume_count}")
-    if s.stop_size:
+    if s.resume_size:
         parts.append(f"bytes {nbytes} < {s.resume_size}")
     return f'queue "{name}": flow resumed ({", ".join(parts) or "flow control disabled"})'

@@ -22,6 +22,12 @@ OP_DEQUEUE_N = 6
 COUNT_MAX = 0xFFFFFFFF
 SIZE_MAX = 0xFFFFFFFFFFFFFFFF
 
+def thresholds_ok(stop: int, resume: int, limit: int) -> bool:
+    """One unit's thresholds as set_thresholds accepts them (both implementations): each in
+    0..limit, and resume <= stop where stop is non-zero (a unit with stop 0 may keep a resume)."""
+    return 0 <= stop <= limit and 0 <= resume <= limit and (stop == 0 or resume <= stop)
+
+
 Completion = tuple[int, int, int]
 Hold = tuple[int, int, int, int]
 Transition = tuple[int, bool, int, int]
