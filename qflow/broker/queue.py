@@ -44,9 +44,6 @@ class Consumer:
         self.run_head: Any = None
         self.run_cap = 0
 
-    def can_take(self, size: int) -> bool:
-        return self.credit != 0 and (self.byte_credit < 0 or self.byte_credit >= size)
-
 
 class Queue:
     __slots__ = (
@@ -105,12 +102,6 @@ class Queue:
     @property
     def byte_total_enqueues(self) -> int:
         return self.byte_total_dequeues + self.nbytes
-
-    def over_limit(self, size: int) -> bool:
-        """Would one more message of ``size`` bytes exceed the queue's limits?"""
-        return (self.max_count > 0 and self.count >= self.max_count) or (
-            self.max_size > 0 and self.nbytes + size > self.max_size
-        )
 
     # -- enqueue and dequeue, announced -----------------------------------------
     def enqueue(self, tail: bytes, size: int, session: int = -1, command_id: int = 0) -> int:
