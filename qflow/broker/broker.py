@@ -144,7 +144,7 @@ class Broker:
             return
         for q in queues:
             if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
-                self._refuse_or_make_room(q)
+                self._refuse_when_full(q)
         if tail is None:
             tail = encode_tail(exchange, routing_key, properties, body)
         if ssn.last_queues is not queues:
@@ -168,9 +168,9 @@ class Broker:
             if q.ring:
                 q.trim_ring()
 
-    def _refuse_or_make_room(self, q: Queue) -> None:
-        """``q`` is full: its policy refuses the message, or (ring) lets it in
-        and drops the oldest after the enqueue."""
+    def _refuse_when_full(self, q: Queue) -> None:
+        """``q`` is full: raise unless its policy lets the message in (a ring
+        queue does; the caller trims its oldest after the enqueue)."""
         policy = q.settings.policy
         if policy == "reject" or (policy == "ring-strict" and self._oldest_is_acquired(q)):
             q.discards_overflow += 1
