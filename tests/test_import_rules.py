@@ -114,6 +114,19 @@ def test_each_module_imports_only_from_its_own_layer_or_below(module):
     assert not wrong, f"{module} ({layer}) must not import {wrong}"
 
 
+# The broker tells sessions things through their session output and never
+# writes a frame itself, so a second wire protocol needs no broker change.
+# (It does read and write stored entries, qflow.protocol.entries: that is the
+# broker's storage format, whichever protocol a message came in by.)
+WIRE_WRITERS = {"qflow.protocol.framing", "qflow.protocol.encodings"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if _layer(m) == "broker"))
+def test_the_broker_writes_no_frames(module):
+    wrong = sorted(m for m in GRAPH[module] if m in WIRE_WRITERS)
+    assert not wrong, f"{module} imports {wrong}: tell the session output instead (qflow.protocol.session_output)"
+
+
 def test_no_module_of_qflow_is_in_an_import_cycle():
     internal = {m: {i for i in imports if i in GRAPH} for m, imports in GRAPH.items()}
     # A package's __init__ re-exports its modules: an arrow into the package is an arrow to them.

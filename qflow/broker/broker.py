@@ -6,8 +6,9 @@ commands go to qflow.broker.commands), then :meth:`Broker.flush` applies the
 flow limits' log in one accounting call (qflow.broker.flow_limit), delivers
 to consumers (qflow.broker.delivery), applies again, and writes one
 ``session.completed`` per session that has news into that session's output.
-The broker never sees a connection: a session's output is the encoder and
-the wake-up its connection gave :meth:`Broker.open_session`.
+The broker never sees a connection: a session's output is the session
+output its connection gave :meth:`Broker.open_session`
+(qflow.protocol.session_output), which turns what the broker says into frames.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry, encode_tail, redelivered, seq_of
-from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameEncoder
+from qflow.protocol.session_output import SessionOutput
 
 log = logging.getLogger("qflow.broker")
 
@@ -77,14 +78,13 @@ class Broker:
         return self.flow.acct
 
     # -- sessions -------------------------------------------------------------
-    def open_session(self, channel: int, name: str, out: FrameEncoder | None = None,
-                     wake: Callable[[], None] | None = None, deliver_runs: bool = False,
-                     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> BrokerSession:
-        """Attach a session. Its output goes to ``out`` (a new encoder if none),
-        and ``wake`` is called after each batch that gave it some."""
+    def open_session(self, channel: int, name: str, out: SessionOutput | None = None) -> BrokerSession:
+        """Attach a session. What it is told goes to ``out`` (one gathering
+        qflow frames in memory if none), whose ``wake()`` is called after each
+        batch that told it something."""
         slot = self._next_session_slot
         self._next_session_slot += 1
-        ssn = BrokerSession(channel, name, slot, out, wake or _nothing, deliver_runs, max_frame_size)
+        ssn = BrokerSession(channel, name, slot, out)
         self.sessions[slot] = ssn
         self.flow.sessions[slot] = ssn
         return ssn
@@ -109,7 +109,7 @@ class Broker:
 
     def fail(self, ssn: BrokerSession, command_id: int, code: int, text: str) -> None:
         """A command failed alone: report it and count it complete."""
-        ssn.out.write([P.EXCEPTION, ssn.channel, command_id, code, text])
+        ssn.out.exception(command_id, code, text)
         ssn.commands.complete(command_id)
         self._dirty_sessions[ssn] = None
 
@@ -333,8 +333,8 @@ class Broker:
         for ssn in self._dirty_sessions:
             report = ssn.commands.take_report()
             if report is not None:
-                ssn.out.write([P.COMPLETED, ssn.channel, report])
-            wakes[ssn.wake] = None
+                ssn.out.completed(report)
+            wakes[ssn.out.wake] = None
         self._dirty_sessions.clear()
         for wake in wakes:
             wake()
@@ -358,7 +358,7 @@ class Broker:
         if result is NO_COMPLETE:
             return
         if result is not None:
-            ssn.out.write([P.RESULT, ssn.channel, command_id, result])
+            ssn.out.result(command_id, result)
         ssn.commands.complete(command_id)
         self._dirty_sessions[ssn] = None
 
@@ -549,7 +549,3 @@ class Broker:
         if q.auto_delete and q.had_consumer and not q.consumers and not q.deleted:
             self.delete_queue_now(q)
 
-
-
-def _nothing() -> None:
-    pass

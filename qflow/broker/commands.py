@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from qflow import protocol as P
 from qflow.broker.queue import Consumer, Queue
 from qflow.protocol import CommandError
-from qflow.protocol.encodings import deliver_packer, deliver_run_packer
 from qflow.protocol.entries import Entry
 from qflow.protocol.ranges import RangeSet
 
@@ -84,10 +83,6 @@ def _subscribe(broker: Broker, ssn: BrokerSession, cid: int, queue: str, destina
     if q.exclusive and q.owner is not ssn:
         raise CommandError(P.RESOURCE_LOCKED, f"message.subscribe: queue {queue!r} is exclusive to another session")
     c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
-    c.head = deliver_packer(ssn.channel, destination)
-    if ssn.deliver_runs:
-        c.run_head, size = deliver_run_packer(ssn.channel, destination)
-        c.run_cap = ssn.max_frame_size - size
     ssn.consumers[destination] = c
     if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
         c.cursor = start_sequence

@@ -1,18 +1,17 @@
 """Delivery: from a queue's head to its consumers, as their credit allows,
 and to its browsers. No I/O.
 
-The per-message path: a delivery is the consumer's head (its message.deliver
-frame up to the delivery id, qflow.protocol.encodings) and the stored entry,
-appended to the session's output as two parts and copied once, when the
-encoder joins its parts. A connection that takes message.deliver-run frames
-gets many entries per frame. Deliveries that need no accept are dequeued at
+The per-message path: the entries a consumer's credit allows are taken off
+the queue as one batch and handed to the consumer's writer, which its
+session's output made (qflow.protocol.session_output: how they become frames
+is the protocol's business). Deliveries that need no accept are dequeued at
 once; the others wait in the session's unacked lists for message.accept.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
-from itertools import accumulate, repeat, starmap
+from bisect import bisect_left
+from itertools import repeat, starmap
 
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -55,11 +54,8 @@ class Delivery:
         i = bisect_left(entries, c.cursor, key=seq_of)
         n = len(entries)
         ssn = c.session
-        out = ssn.out.parts
         untracked = bool(ssn.unacked)
-        runs = c.run_head is not None
         batch: list[Entry] = []
-        first_did = ssn.next_delivery
         while i < n and c.credit != 0:
             e = entries[i]
             seq, size = seq_and_size(e)
@@ -69,81 +65,24 @@ class Delivery:
                 c.byte_credit -= size
             if c.credit > 0:
                 c.credit -= 1
-            did = ssn.next_delivery
-            ssn.next_delivery = did + 1
-            if runs:
-                batch.append(e)
-            else:
-                out.append(c.head(0xCF, did))
-                out.append(e)
-            if untracked:
-                ssn.unacked.append(None)
-                ssn.unacked_queues.append(None)
+            batch.append(e)
             c.cursor = seq + 1
             i += 1
-        if batch:
-            self._write_runs(c, first_did, batch)
+        if not batch:
+            return
+        did = ssn.next_delivery
+        ssn.next_delivery = did + len(batch)
+        c.write(did, batch)
+        if untracked:  # keep unacked's index = delivery id - base
+            ssn.unacked += [None] * len(batch)
+            ssn.unacked_queues += [None] * len(batch)
         self.dirty[ssn] = None
 
     def _deliver(self, c: Consumer, q: Queue, limit: int) -> None:
         """Deliver from the head of ``q`` to ``c`` while it has credit, at most
-        ``limit`` messages (-1: no limit). The per-message path: the frame is
-        the consumer's head, the delivery id and the stored entry, copied."""
-        if c.run_head is not None:
-            self._deliver_runs(c, q, limit)
-            return
-        entries = q.entries
-        credit = c.credit
-        if not entries or credit == 0:
-            return
-        ssn = c.session
-        out = ssn.out.parts
-        head = c.head
-        did = first_did = ssn.next_delivery
-        byte_credit = c.byte_credit
-        explicit = c.accept_mode == ACCEPT_EXPLICIT
-        unacked, unacked_queues = ssn.unacked, ssn.unacked_queues
-        if explicit and not unacked:
-            ssn.unacked_base = did
-        untracked = not explicit and bool(unacked)  # keep unacked's index = delivery id - base
-        done: list[Entry] = []  # delivered without accept: dequeued at once
-        popleft = entries.popleft
-        while entries and credit != 0 and limit != 0:
-            e = entries[0]
-            if byte_credit >= 0:
-                size = seq_and_size(e)[1]
-                if byte_credit < size:
-                    break
-                byte_credit -= size
-            popleft()
-            out.append(head(0xCF, did))
-            out.append(e)
-            did += 1
-            limit -= 1
-            if credit > 0:
-                credit -= 1
-            if explicit:
-                unacked.append(e)
-                unacked_queues.append(q)
-            else:
-                if untracked:
-                    unacked.append(None)
-                    unacked_queues.append(None)
-                done.append(e)
-        if done:
-            q.dequeue_many(done)
-        c.credit = credit
-        c.byte_credit = byte_credit
-        if did != first_did:
-            ssn.next_delivery = did
-            if explicit:
-                ssn.unacked_count += did - first_did
-            self.dirty[ssn] = None
-
-    def _deliver_runs(self, c: Consumer, q: Queue, limit: int) -> None:
-        """:meth:`_deliver` to a connection that takes message.deliver-run
-        frames: the same deliveries, many entries per frame, and nothing
-        done per message but taking it off the queue."""
+        ``limit`` messages (-1: no limit). The per-message path: the batch is
+        taken off the queue in C where it can be, and handed to the
+        consumer's writer whole."""
         entries = q.entries
         credit = c.credit
         n = len(entries)
@@ -178,7 +117,7 @@ class Delivery:
         ssn = c.session
         did = ssn.next_delivery
         ssn.next_delivery = did + n
-        self._write_runs(c, did, batch)
+        c.write(did, batch)
         unacked = ssn.unacked
         if c.accept_mode == ACCEPT_EXPLICIT:
             if not unacked:
@@ -192,28 +131,3 @@ class Delivery:
                 ssn.unacked_queues += [None] * n
             q.dequeue_many(batch)
         self.dirty[ssn] = None
-
-    @staticmethod
-    def _write_runs(c: Consumer, did: int, batch: list[Entry]) -> None:
-        """message.deliver-run frames for ``batch``, delivery ids from ``did`` on,
-        as few as the connection's frame size allows. The entries themselves
-        go to the encoder: they are copied once, when it joins its parts."""
-        out = c.session.out.parts
-        run_head, cap = c.run_head, c.run_cap
-        size = sum(map(len, batch))
-        if size <= cap:
-            out.append(run_head(0xCF, did, 0xCE, len(batch), 0xC6, size))
-            out += batch
-            return
-        # A frame takes entries while they fit in cap, and at least one: one
-        # bisection per frame, not a Python step per message.
-        ends = [*accumulate(map(len, batch))]
-        n = len(ends)
-        first = base = 0
-        while first < n:
-            i = bisect_right(ends, base + cap, first)
-            if i == first:  # an entry larger than cap goes alone
-                i = first + 1
-            out.append(run_head(0xCF, did + first, 0xCE, i - first, 0xC6, ends[i - 1] - base))
-            out += batch[first:i]
-            first, base = i, ends[i - 1]

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 from qflow.broker.flow import QueueSettings, describe_transition
 from qflow.broker.ops import OP_WORDS, Accounting, AccountingError, Completion, Transition
-from qflow.protocol import FLOW_NOTICE
 
 if TYPE_CHECKING:
     from qflow.broker.queue import Queue
@@ -174,7 +173,7 @@ class FlowControl:
             if ssn is not None and ssn not in q.flow.held_sessions:
                 q.flow.held_sessions[ssn] = None
                 ssn.held_since[q.name] = time.time()
-                ssn.out.write([FLOW_NOTICE, ssn.channel, q.name, True])
+                ssn.out.flow_notice(q.name, True)
                 self.dirty[ssn] = None
         self._transitions(transitions, None)
         return completions
@@ -190,6 +189,6 @@ class FlowControl:
         """Tell the sessions held by ``q`` that it holds them no more."""
         for ssn in q.flow.held_sessions:
             ssn.held_since.pop(q.name, None)
-            ssn.out.write([FLOW_NOTICE, ssn.channel, q.name, False])
+            ssn.out.flow_notice(q.name, False)
             self.dirty[ssn] = None
         q.flow.held_sessions.clear()

@@ -27,7 +27,7 @@ _entry_head = ENTRY_HEAD.pack
 
 class Consumer:
     __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor",
-                 "head", "run_head", "run_cap")
+                 "write")
 
     def __init__(self, session: Any, destination: str, queue: Queue, accept_mode: int, acquire_mode: int) -> None:
         self.session = session
@@ -38,11 +38,8 @@ class Consumer:
         self.credit = 0  # messages; -1 = unlimited
         self.byte_credit = 0  # bytes; -1 = unlimited
         self.cursor = 0  # a browser's next sequence number to deliver
-        self.head: Any = None  # head(0xCF, delivery_id): its message.deliver frames' first bytes (set by the broker)
-        # When its connection takes message.deliver-run frames: run_head(0xCF, first_id, 0xCE, count, 0xC6,
-        # entry_bytes), their first bytes, and the most entry bytes one may carry.
-        self.run_head: Any = None
-        self.run_cap = 0
+        # write(first_delivery_id, entries): its deliveries, as its session's output encodes them
+        self.write = session.out.deliveries(destination)
 
 
 class Queue:

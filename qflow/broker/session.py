@@ -1,28 +1,23 @@
 """A session as the broker sees it: its incoming commands, its deliveries
 awaiting accept, its subscriptions, and where its output goes. No I/O.
 
-The model writes a session's output (deliveries, completions, results,
-exceptions, flow notices) into ``out``, a qflow.protocol FrameEncoder that the
-connection gave it, and calls ``wake()`` once per batch that gave it news. The
-model knows nothing of the connection behind those two.
+The model tells a session its news (deliveries, completions, results,
+exceptions, flow notices) through ``out``, the session output its connection
+gave it (qflow.protocol.session_output: how those become frames is the
+protocol's business), and calls ``out.wake()`` once per batch that gave it
+news. The model knows nothing of the connection behind it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from qflow.protocol.commands import IncomingCommands
-from qflow.protocol.encodings import transfer_head
 from qflow.protocol.entries import Entry
-from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameEncoder
+from qflow.protocol.session_output import SessionOutput
 
 if TYPE_CHECKING:
     from qflow.broker.queue import Consumer, Queue
-
-
-def _nothing() -> None:
-    pass
 
 
 class BrokerSession:
@@ -34,20 +29,15 @@ class BrokerSession:
     consecutive per session, so an accept of a range is a walk over a slice.
     """
 
-    __slots__ = ("channel", "name", "slot", "out", "wake", "deliver_runs", "max_frame_size", "commands",
+    __slots__ = ("channel", "name", "slot", "out", "commands",
                  "next_delivery", "unacked", "unacked_queues", "unacked_base", "unacked_count", "consumers",
-                 "capacity", "closed", "held_since", "last_queues", "transfer_head")
+                 "capacity", "closed", "held_since", "last_queues")
 
-    def __init__(self, channel: int, name: str, slot: int, out: FrameEncoder | None = None,
-                 wake: Callable[[], None] = _nothing, deliver_runs: bool = False,
-                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(self, channel: int, name: str, slot: int, out: SessionOutput | None = None) -> None:
         self.channel = channel
         self.name = name
         self.slot = slot  # the accounting's session number, never reused
-        self.out = out if out is not None else FrameEncoder()
-        self.wake = wake
-        self.deliver_runs = deliver_runs  # its connection takes message.deliver-run frames
-        self.max_frame_size = max_frame_size
+        self.out = out if out is not None else SessionOutput(channel)  # tests and benchmarks read it in memory
         self.commands = IncomingCommands()
         self.next_delivery = 0
         self.unacked: list[Entry | None] = []
@@ -59,8 +49,6 @@ class BrokerSession:
         self.closed = False
         self.last_queues: Any = None  # the destinations of its last transfer
         self.held_since: dict[str, float] = {}  # queue name -> wall time it began holding us (management view)
-        # The rest of a transfer frame after this head is stored as it came.
-        self.transfer_head = transfer_head(channel)
 
     def take_unacked(self, first: int, last: int) -> tuple[list[Queue], list[Entry]]:
         """Remove the deliveries awaiting accept with ids in [first, last];

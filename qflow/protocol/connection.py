@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 
 from qflow.protocol import spec as P
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE, FrameDecoder, FrameEncoder
+from qflow.protocol.session_output import SessionOutput
 
 MAX_SESSIONS = 256  # per connection
 CHANNELS = 65536  # channel numbers run 0 .. CHANNELS - 1
@@ -340,6 +341,12 @@ class ProtocolConnection:
                                f"session.attach: channel {channel} out of range or too many sessions")
         self.sessions[channel] = None  # taken: accept_attach puts the session here
         return AttachRequested(channel, frame[2])
+
+    def session_output(self, channel: int, wake: Callable[[], None]) -> SessionOutput:
+        """Server: the output of the session attaching on ``channel``, for the
+        broker to tell it things: qflow frames into this connection's encoder,
+        as negotiated (frame size, deliver-run frames)."""
+        return SessionOutput(channel, self.encoder, wake, self.deliver_runs, self.max_frame_size)
 
     def accept_attach(self, channel: int, session: Any) -> None:
         """Server: the session for an AttachRequested; writes session.attached."""

@@ -30,7 +30,7 @@ from qflow.protocol.connection import (
     Role,
     State,
 )
-from qflow.protocol.encodings import TRANSFER_FIXARRAY
+from qflow.protocol.encodings import TRANSFER_FIXARRAY, transfer_head
 
 RUN_RETRY = 16  # frames to take one by one after a transfer that starts no run
 
@@ -51,6 +51,7 @@ class ConnectionPump:
         self.decoder = self.protocol.decoder
         self.encoder = self.protocol.encoder
         self.sessions: dict[int, BrokerSession] = self.protocol.sessions
+        self.transfer_heads: dict[int, bytes] = {}  # channel -> its transfers' first bytes
         self.wake = wake
         self.on_opened = on_opened
 
@@ -117,7 +118,7 @@ class ConnectionPump:
                     if i >= 0 and channel < 128 and last[i + 2] == channel and last[i] == fixarray and last[i + 1] == transfer:
                         tail = last[i + 3:decoder.frame_end - base]
                     else:
-                        tail = decoder.frame_tail(ssn.transfer_head)
+                        tail = decoder.frame_tail(self.transfer_heads[channel])
                     broker.transfer(ssn, cid, exchange, routing_key, props, body, tail)
                 except CommandError as exc:
                     broker.fail(ssn, cid, exc.code, exc.text)
@@ -144,9 +145,9 @@ class ConnectionPump:
             return
         kind = type(event)
         if kind is AttachRequested:
-            protocol = self.protocol
-            ssn = self.broker.open_session(event.channel, event.name, self.encoder, self.wake, protocol.deliver_runs,
-                                           protocol.max_frame_size)
+            ssn = self.broker.open_session(event.channel, event.name, self.protocol.session_output(event.channel, self.wake))
+            # The rest of a transfer frame after this head is stored as it came.
+            self.transfer_heads[event.channel] = transfer_head(event.channel)
             self.protocol.accept_attach(event.channel, ssn)
         elif kind is FlushRequested:
             self.broker.report(event.session)  # flush() at the end of this batch reports
