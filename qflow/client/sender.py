@@ -55,6 +55,19 @@ def _properties(message_id: str | None, correlation_id: str | None, content_type
     return props or None
 
 
+def _address_part(attr: str, doc: str) -> property:
+    """A sender's exchange or routing key: setting it re-encodes the cached transfer head."""
+
+    def get(self: Sender) -> str:
+        return getattr(self, attr)
+
+    def set_(self: Sender, value: str) -> None:
+        setattr(self, attr, value)
+        self._set_head()
+
+    return property(get, set_, doc=doc)
+
+
 class Sender:
     """Sends to one address (Session.sender makes one). At most ``capacity``
     of its transfers are incomplete at once: ``send`` waits while that many
@@ -104,23 +117,8 @@ class Sender:
         key = self._routing_key if routing_key is None else routing_key
         return transfer_prefix(self.session.channel, self._exchange, key, props)
 
-    @property
-    def exchange(self) -> str:
-        return self._exchange
-
-    @exchange.setter
-    def exchange(self, value: str) -> None:
-        self._exchange = value
-        self._set_head()
-
-    @property
-    def routing_key(self) -> str:
-        return self._routing_key
-
-    @routing_key.setter
-    def routing_key(self, value: str) -> None:
-        self._routing_key = value
-        self._set_head()
+    exchange = _address_part("_exchange", "The exchange this sender's messages go to.")
+    routing_key = _address_part("_routing_key", "The routing key its messages carry unless a send gives one.")
 
     def _complete(self, n: int) -> None:
         self.incomplete -= n
