@@ -16,6 +16,7 @@ from typing import Any
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.accounting import PyAccounting, native_available
+from qflow.broker.commands import execute
 
 BIG = 1_000_001  # one message over the byte stop threshold turns the flow on
 
@@ -32,14 +33,14 @@ def one_release(accounting: Any, held: int, sessions: int) -> float:
         broker.transfer(p, p.commands.receive(), "", "q", None, b"y")
     broker.flush()
     assert broker.acct.stats(q.slot)[4] == held + 1, "not everything is held"
-    broker.execute(consumer, consumer.commands.receive(), P.SUBSCRIBE, ["q", "d", P.ACCEPT_EXPLICIT, 0, 0])
-    broker.execute(consumer, consumer.commands.receive(), P.FLOW, ["d", 1, -1])
+    execute(broker, consumer, consumer.commands.receive(), P.SUBSCRIBE, ["q", "d", P.ACCEPT_EXPLICIT, 0, 0])
+    execute(broker, consumer, consumer.commands.receive(), P.FLOW, ["d", 1, -1])
     broker.flush()  # delivers the big message only
     for p in producers:
         p.out.take()
     gc.collect()  # the set-up's garbage is not the release's cost
     t0 = time.perf_counter()
-    broker.execute(consumer, consumer.commands.receive(), P.ACCEPT, [[0, 0]])
+    execute(broker, consumer, consumer.commands.receive(), P.ACCEPT, [[0, 0]])
     broker.flush()
     elapsed = time.perf_counter() - t0
     assert all(p.commands.floor == p.commands.next_id for p in producers), "a transfer is still incomplete"

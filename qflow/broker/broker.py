@@ -22,7 +22,6 @@ import msgpack
 
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
-from qflow.broker.commands import HANDLERS, NO_COMPLETE
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
 from qflow.broker.flow import FlowDefaults, SettingsError, resolve, resume_without_stop
@@ -339,24 +338,15 @@ class Broker:
         for wake in wakes:
             wake()
 
-    # -- commands -------------------------------------------------------------
-    def execute(self, ssn: BrokerSession, command_id: int, code: int, args: list[Any]) -> None:
-        """Run one validated non-transfer command (qflow.broker.commands) and
-        report it: its result (if any) and its completion go to the session's
-        output, or its exception if it was refused. execution.sync completes
-        later, once every earlier command has."""
-        handler = HANDLERS.get(code)
-        # Commands read or change state the pending op log may not have reached yet.
+    # -- commands (qflow.broker.commands runs them) ---------------------------
+    def apply_pending(self) -> None:
+        """Apply the op log now: a command reads or changes state that the
+        pending log may not have reached yet."""
         self._apply()
-        try:
-            if handler is None:
-                raise CommandError(P.NOT_IMPLEMENTED, f"{P.command_name(code)} is not implemented")
-            result = handler(self, ssn, command_id, *args)
-        except CommandError as exc:
-            self.fail(ssn, command_id, exc.code, exc.text)
-            return
-        if result is NO_COMPLETE:
-            return
+
+    def done(self, ssn: BrokerSession, command_id: int, result: Any = None) -> None:
+        """A command succeeded: its result (if any) goes to the session's
+        output, and its completion is reported at the batch's end."""
         if result is not None:
             ssn.out.result(command_id, result)
         ssn.commands.complete(command_id)

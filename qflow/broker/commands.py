@@ -1,8 +1,9 @@
-"""The protocol's commands, as the broker runs them: one handler per command
-code, each taking the broker, the session, the command id and the command's
-fields (already checked against the schema, qflow.protocol.spec). A handler
-returns the command's result (or None) and raises CommandError to refuse it.
-No I/O.
+"""The protocol's commands, run against the broker: :func:`execute` takes one
+validated non-transfer command to its handler, one per command code, each
+taking the broker, the session, the command id and the command's fields
+(already checked against the schema, qflow.protocol.spec). A handler returns
+the command's result (or None) and raises CommandError to refuse it. This
+module calls the model (qflow.broker.broker); the model never calls it. No I/O.
 """
 
 from __future__ import annotations
@@ -156,3 +157,21 @@ HANDLERS: dict[int, Callable[..., Any]] = {
     P.EXCHANGE_UNBIND: _unbind, P.SUBSCRIBE: _subscribe, P.FLOW: _flow, P.ACCEPT: _accept, P.RELEASE: _release,
     P.CANCEL: _cancel, P.SYNC: _sync, P.SENDER_CAPACITY: _sender_capacity,
 }
+
+
+def execute(broker: Broker, ssn: BrokerSession, command_id: int, code: int, args: list[Any]) -> None:
+    """Run one validated non-transfer command and report it: its result (if
+    any) and its completion go to the session's output, or its exception if
+    it was refused. execution.sync completes later, once every earlier
+    command has."""
+    handler = HANDLERS.get(code)
+    broker.apply_pending()
+    try:
+        if handler is None:
+            raise CommandError(P.NOT_IMPLEMENTED, f"{P.command_name(code)} is not implemented")
+        result = handler(broker, ssn, command_id, *args)
+    except CommandError as exc:
+        broker.fail(ssn, command_id, exc.code, exc.text)
+        return
+    if result is not NO_COMPLETE:
+        broker.done(ssn, command_id, result)

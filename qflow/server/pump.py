@@ -20,6 +20,7 @@ from typing import Any
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
+from qflow.broker.commands import execute
 from qflow.protocol import CommandError
 from qflow.protocol.connection import (
     AttachRequested,
@@ -132,7 +133,7 @@ class ConnectionPump:
                 except CommandError as exc:
                     broker.fail(ssn, cid, exc.code, exc.text)
                     continue
-                broker.execute(ssn, cid, code, args)
+                execute(broker, ssn, cid, code, args)
             else:
                 self._control(frame)
                 last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
