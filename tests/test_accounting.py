@@ -611,7 +611,7 @@ def build_log(model: Model, codes: list[int]):
                 effects.append(None)
             elif nonempty and f.take(4) == 3:  # a bulk dequeue of messages that are not held
                 queue = f.pick(nonempty)
-                unheld = [m for m in work[queue] if m[1] < 0][:f.take(4)]
+                unheld = int64_prefix([m for m in work[queue] if m[1] < 0][:f.take(4)])
                 if f.take(20) == 19:  # rarely, claims more than the queue holds
                     ops.append((OP_DEQUEUE_N, queue, 0, len(work[queue]) + 1))
                     effects.append(None)
@@ -637,17 +637,29 @@ def build_log(model: Model, codes: list[int]):
     return oplog(*ops), effects
 
 
+def int64_prefix(msgs: list[list[int]]) -> list[list[int]]:
+    """The first of ``msgs`` whose sizes add up to no more than an op's int64 word
+    (a message may be INT64_MAX bytes: one OP_DEQUEUE_N cannot take two of them)."""
+    total = 0
+    for n, m in enumerate(msgs):
+        total += m[0]
+        if total > INT64_MAX:
+            return msgs[:n]
+    return msgs
+
+
 def drain_log(model: Model, queue: int, f: Fields):
     """Dequeue most or all of a queue's messages: flow control turns OFF."""
     msgs = list(model.queues.get(queue, []))
     keep = f.take(3) if msgs else 0
     ops, effects = [], []
     drained = msgs[keep:]
-    unheld = [m for m in drained if m[1] < 0]
+    unheld = int64_prefix([m for m in drained if m[1] < 0])
     if unheld and f.take(2):  # those not held in one bulk op, as the broker's accepts do
         ops.append((OP_DEQUEUE_N, queue, sum(m[0] for m in unheld), len(unheld)))
         effects.append(("deqn", queue, unheld))
-        drained = [m for m in drained if m[1] >= 0]
+        bulk = {id(m) for m in unheld}  # by identity: equal messages are distinct messages
+        drained = [m for m in drained if id(m) not in bulk]
     for msg in drained:
         token = msg[1] if f.take(4) else -1
         ops.append((OP_DEQUEUE, queue, msg[0], token))
