@@ -5,9 +5,9 @@
  * op. Where the code below looks roundabout, that is usually why.
  *
  * Failure safety: an op either takes full effect or none. Everything an op
- * may need to allocate (output records, a pending entry, a transfer slot) is
- * reserved before the op changes any state, so running out of memory is
- * reported like any other bad op, with the earlier ops applied. */
+ * may need to allocate (output records, a pending entry, an outside hold, a
+ * transfer slot) is reserved before the op changes any state, so running out
+ * of memory is reported like any other bad op, with the earlier ops applied. */
 #include "accounting.h"
 
 #include <stdlib.h>
@@ -19,6 +19,10 @@
 /* A released pending list bigger than this is freed rather than kept: a
  * burst of holds should not pin its memory for the queue's whole life. */
 #define PENDING_KEEP 1024
+
+/* What a slot of the queue table is. An outside holder uses the table only
+ * for its slot and its held count: it has no depth and no pending list. */
+enum { SLOT_FREE = 0, SLOT_QUEUE = 1, SLOT_HOLDER = 2 };
 
 struct queue {
     uint64_t nbytes;
@@ -34,7 +38,7 @@ struct queue {
     uint32_t stopped_count;
     uint32_t generation;
     uint8_t flow_on;
-    uint8_t live;
+    uint8_t kind; /* SLOT_* */
 };
 
 struct transfer {
@@ -44,6 +48,13 @@ struct transfer {
     /* A separate flag rather than a session sentinel, so any int64 can be a
      * session: a dropped session's completions are never reported. */
     uint8_t dropped;
+};
+
+/* One hold by an outside holder; its token is generation << 32 | its index. */
+struct outside_hold {
+    int64_t holder;
+    int32_t transfer; /* -1 while the entry is free */
+    uint32_t generation; /* bumped each time the entry is freed */
 };
 
 struct acct_state {
@@ -58,6 +69,11 @@ struct acct_state {
     size_t cap_transfers;
     int32_t *free_transfers; /* a stack, capacity cap_transfers */
     size_t nfree_transfers;
+    struct outside_hold *outside; /* every holder's outside holds, one table */
+    size_t noutside;
+    size_t cap_outside;
+    uint32_t *free_outside; /* a stack, capacity cap_outside */
+    size_t nfree_outside;
 };
 
 /* -- growth -------------------------------------------------------------- */
@@ -153,6 +169,31 @@ static int reserve_transfer(acct_state *st)
     return 0;
 }
 
+/* Ensures an outside hold entry can be taken without allocating. */
+static int reserve_outside(acct_state *st)
+{
+    if (st->nfree_outside || st->noutside < st->cap_outside)
+        return 0;
+    /* A token carries the index in 32 bits. */
+    if (st->noutside >= TOKEN_INDEX_LIMIT)
+        return -1;
+    size_t n = grown(st->cap_outside, st->noutside + 1);
+    if (n > TOKEN_INDEX_LIMIT)
+        n = TOKEN_INDEX_LIMIT;
+    if (n > SIZE_MAX / sizeof(struct outside_hold))
+        return -1;
+    struct outside_hold *o = realloc(st->outside, n * sizeof *o);
+    if (!o)
+        return -1;
+    st->outside = o;
+    uint32_t *f = realloc(st->free_outside, n * sizeof *f);
+    if (!f)
+        return -1; /* the bigger table is kept; cap still says the old size */
+    st->free_outside = f;
+    st->cap_outside = n;
+    return 0;
+}
+
 /* -- outputs ------------------------------------------------------------- */
 
 static void reset_output(acct_output *out)
@@ -192,11 +233,21 @@ static void add_transition(acct_output *out, int64_t queue, const struct queue *
 
 /* -- queues and transfers ------------------------------------------------- */
 
+static struct queue *find_kind(const acct_state *st, int64_t slot, int kind)
+{
+    if (slot < 0 || (uint64_t)slot >= st->nqueues || st->queues[slot].kind != kind)
+        return NULL;
+    return &st->queues[slot];
+}
+
 static struct queue *find_queue(const acct_state *st, int64_t queue)
 {
-    if (queue < 0 || (uint64_t)queue >= st->nqueues || !st->queues[queue].live)
-        return NULL;
-    return &st->queues[queue];
+    return find_kind(st, queue, SLOT_QUEUE);
+}
+
+static struct queue *find_holder(const acct_state *st, int64_t holder)
+{
+    return find_kind(st, holder, SLOT_HOLDER);
 }
 
 static int over_stop(uint32_t count, uint64_t nbytes, const struct queue *q)
@@ -332,6 +383,17 @@ static void group_by_session(acct_output *out, size_t start)
         add_range(out, seg + 3 * i);
 }
 
+/* Frees outside hold idx (reused last freed first); returns the transfer it held. */
+static int32_t free_outside_hold(acct_state *st, size_t idx)
+{
+    struct outside_hold *o = &st->outside[idx];
+    int32_t slot = o->transfer;
+    o->transfer = -1;
+    o->generation = (o->generation + 1) & GENERATION_MASK;
+    st->free_outside[st->nfree_outside++] = (uint32_t)idx;
+    return slot;
+}
+
 /* Room for q->held completions must have been reserved. */
 static void release_all(acct_state *st, struct queue *q, acct_output *out)
 {
@@ -370,6 +432,8 @@ void acct_free(acct_state *st)
     free(st->free_queues);
     free(st->transfers);
     free(st->free_transfers);
+    free(st->outside);
+    free(st->free_outside);
     free(st->out.completions);
     free(st->out.holds);
     free(st->out.transitions);
@@ -381,7 +445,8 @@ acct_output *acct_output_of(acct_state *st)
     return &st->out;
 }
 
-int64_t acct_add_queue(acct_state *st)
+/* A slot for a queue or a holder: one numbering, one free list. */
+static int64_t add_slot(acct_state *st, uint8_t kind)
 {
     int64_t slot;
     if (st->nfree_queues) {
@@ -404,8 +469,18 @@ int64_t acct_add_queue(acct_state *st)
         slot = (int64_t)st->nqueues++;
     }
     memset(&st->queues[slot], 0, sizeof(struct queue));
-    st->queues[slot].live = 1;
+    st->queues[slot].kind = kind;
     return slot;
+}
+
+int64_t acct_add_queue(acct_state *st)
+{
+    return add_slot(st, SLOT_QUEUE);
+}
+
+int64_t acct_add_holder(acct_state *st)
+{
+    return add_slot(st, SLOT_HOLDER);
 }
 
 int acct_check_queue(const acct_state *st, int64_t queue)
@@ -432,8 +507,30 @@ int acct_remove_queue(acct_state *st, int64_t queue)
     free(q->pending);
     q->pending = NULL;
     q->cap_pending = 0;
-    q->live = 0;
+    q->kind = SLOT_FREE;
     st->free_queues[st->nfree_queues++] = queue;
+    return ACCT_OK;
+}
+
+int acct_remove_holder(acct_state *st, int64_t holder)
+{
+    acct_output *out = &st->out;
+    reset_output(out);
+    struct queue *h = find_holder(st, holder);
+    if (!h) {
+        out->err_value = holder;
+        return ACCT_ERR_UNKNOWN_HOLDER;
+    }
+    if (reserve_completions(out, h->held))
+        return ACCT_ERR_NOMEM;
+    /* In index order, as PyAccounting frees them: the free list's order shows in later tokens. */
+    for (size_t i = 0; i < st->noutside; i++)
+        if (st->outside[i].transfer >= 0 && st->outside[i].holder == holder)
+            unhold(st, free_outside_hold(st, i), out);
+    group_by_session(out, 0);
+    h->held = 0;
+    h->kind = SLOT_FREE;
+    st->free_queues[st->nfree_queues++] = holder;
     return ACCT_OK;
 }
 
@@ -467,7 +564,7 @@ void acct_drop_session(acct_state *st, int64_t session)
 {
     for (size_t i = 0; i < st->nqueues; i++) {
         struct queue *q = &st->queues[i];
-        if (!q->live)
+        if (q->kind != SLOT_QUEUE)
             continue;
         for (size_t j = 0; j < q->npending; j++) {
             int32_t slot = q->pending[j];
@@ -481,6 +578,16 @@ void acct_drop_session(acct_state *st, int64_t session)
             }
         }
     }
+    for (size_t i = 0; i < st->noutside; i++) {
+        int32_t slot = st->outside[i].transfer;
+        if (slot < 0)
+            continue;
+        const struct transfer *t = &st->transfers[slot];
+        if (!t->dropped && t->session == session) {
+            st->queues[st->outside[i].holder].held--;
+            unhold(st, free_outside_hold(st, i), NULL);
+        }
+    }
     /* What is left of the session (a transfer still counting a routing hold
      * after a failed apply) must never report either. */
     for (size_t i = 0; i < st->ntransfers; i++) {
@@ -492,7 +599,10 @@ void acct_drop_session(acct_state *st, int64_t session)
 
 int acct_stats(const acct_state *st, int64_t queue, uint64_t out[5])
 {
+    /* A holder's depth fields are all zero: add_slot cleared them and nothing sets them. */
     const struct queue *q = find_queue(st, queue);
+    if (!q)
+        q = find_holder(st, queue);
     if (!q)
         return ACCT_ERR_UNKNOWN_QUEUE;
     out[0] = q->count;
@@ -654,6 +764,46 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
                 FAIL(ACCT_ERR_DEQUEUE_UNDERFLOW, a);
             if (lower_depth(st, q, a, q->count - (uint32_t)n, q->nbytes - (uint64_t)b, out) < 0)
                 FAIL(ACCT_ERR_NOMEM, 0);
+        } else if (op == ACCT_OP_HOLD) {
+            if (!opened)
+                FAIL(ACCT_ERR_HOLD_OUTSIDE_TRANSFER, 0);
+            struct queue *h = find_holder(st, a);
+            if (!h)
+                FAIL(ACCT_ERR_UNKNOWN_HOLDER, a);
+            if (reserve_outside(st) || (current < 0 && reserve_transfer(st)))
+                FAIL(ACCT_ERR_NOMEM, 0);
+            if (current < 0)
+                current = new_transfer(st, session, command_id);
+            st->transfers[current].holds++;
+            size_t idx;
+            if (st->nfree_outside) {
+                idx = st->free_outside[--st->nfree_outside];
+            } else {
+                idx = st->noutside++;
+                st->outside[idx].generation = 0;
+            }
+            struct outside_hold *o = &st->outside[idx];
+            o->holder = a;
+            o->transfer = current;
+            h->held++;
+            int64_t *rec = out->holds + 4 * out->nholds++;
+            rec[0] = (int64_t)i;
+            rec[1] = (int64_t)(((uint64_t)o->generation << 32) | idx);
+            rec[2] = session;
+            rec[3] = a;
+        } else if (op == ACCT_OP_RELEASE) {
+            struct queue *h = find_holder(st, a);
+            if (!h)
+                FAIL(ACCT_ERR_UNKNOWN_HOLDER, a);
+            /* A token naming no live hold of this holder is ignored, like a stale dequeue token. */
+            size_t idx = (size_t)((uint64_t)b & 0xFFFFFFFF);
+            if (b >= 0 && idx < st->noutside) {
+                const struct outside_hold *o = &st->outside[idx];
+                if (o->transfer >= 0 && o->holder == a && (uint64_t)(b >> 32) == o->generation) {
+                    h->held--;
+                    unhold(st, free_outside_hold(st, idx), out);
+                }
+            }
         } else {
             FAIL(ACCT_ERR_UNKNOWN_OP, op);
         }

@@ -20,10 +20,12 @@
 #define ACCT_OP_TRANSFER1 4
 #define ACCT_OP_DEQUEUE 5
 #define ACCT_OP_DEQUEUE_N 6
+#define ACCT_OP_HOLD 7
+#define ACCT_OP_RELEASE 8
 
 /* Status codes. acct_output.err_op is the failing op's index (-1 when the
  * error is not tied to one op) and err_value the number the message names:
- * the queue slot, the op code or the log's word count. */
+ * the queue or holder slot, the op code or the log's word count. */
 #define ACCT_OK 0
 #define ACCT_ERR_NOMEM 1
 #define ACCT_ERR_UNKNOWN_QUEUE 2
@@ -34,11 +36,13 @@
 #define ACCT_ERR_END_WITHOUT_TRANSFER 7
 #define ACCT_ERR_UNKNOWN_OP 8
 #define ACCT_ERR_UNTERMINATED 9
+#define ACCT_ERR_UNKNOWN_HOLDER 10
+#define ACCT_ERR_HOLD_OUTSIDE_TRANSFER 11
 
 typedef struct acct_output {
     int64_t *completions;   /* (session, first, last) per completed range */
     size_t ncompletions;
-    int64_t *holds;         /* (op_index, token, session, queue) per hold */
+    int64_t *holds;         /* (op_index, token, session, queue or holder) per hold */
     size_t nholds;
     uint64_t *transitions;  /* (queue, flow_on, count, nbytes) per change */
     size_t ntransitions;
@@ -62,6 +66,10 @@ int64_t acct_add_queue(acct_state *st);
 int acct_check_queue(const acct_state *st, int64_t queue);
 /* Releases the queue's held transfers into completions. */
 int acct_remove_queue(acct_state *st, int64_t queue);
+/* An outside holder: a slot from the queues' numbering (-1 when out of memory). */
+int64_t acct_add_holder(acct_state *st);
+/* Releases the holder's holds into completions. */
+int acct_remove_holder(acct_state *st, int64_t holder);
 /* The caller has validated resume <= stop for each unit whose stop is non-zero
  * (a unit with stop 0 may have a resume: it then takes part in resuming only).
  * Fills completions and transitions. */
@@ -71,7 +79,7 @@ int acct_set_thresholds(acct_state *st, int64_t queue, uint32_t stop_count, uint
  * taken effect and the outputs are meaningless. */
 int acct_apply(acct_state *st, const int64_t *log, size_t nwords);
 void acct_drop_session(acct_state *st, int64_t session);
-/* out: count, bytes, flow_on, stopped_count, held. */
+/* out: count, bytes, flow_on, stopped_count, held; for a holder 0, 0, 0, 0, held. */
 int acct_stats(const acct_state *st, int64_t queue, uint64_t out[5]);
 /* For tests only: the 32-bit count limit cannot be reached by enqueuing. */
 int acct_force_depth(acct_state *st, int64_t queue, uint32_t count, uint64_t nbytes);

@@ -21,6 +21,8 @@ from qflow.broker.accounting import (
     OP_DEQUEUE_N,
     OP_END,
     OP_ENQUEUE,
+    OP_HOLD,
+    OP_RELEASE,
     OP_TRANSFER,
     OP_TRANSFER1,
     OP_WORDS,
@@ -80,6 +82,22 @@ def force_depth(acc, queue, count, nbytes):
 
 def flow(acc, queue) -> bool:
     return acc.stats(queue)[2]
+
+
+def held(acc, slot) -> int:
+    return acc.stats(slot)[4]
+
+
+def rel(holder, token):
+    return (OP_RELEASE, holder, token)
+
+
+def stopped_queue(acc):
+    """A queue whose flow is ON (stop 1, resume 1, two messages in it): its next transfer is held."""
+    q = acc.add_queue()
+    acc.set_thresholds(q, 1, 1, 0, 0)
+    fill(acc, q, 2)
+    return q
 
 
 # -- the manual's examples ---------------------------------------------------
@@ -349,6 +367,161 @@ def test_any_int_is_a_session(acc):
     assert drain(acc, q, 5)[0] == [(INT64_MIN, 0, 0), (-1, 0, 0)]
 
 
+# -- outside holders ---------------------------------------------------------
+def test_an_outside_hold_holds_the_transfer_until_released(acc):
+    q, h = acc.add_queue(), acc.add_holder()
+    assert (q, h) == (0, 1)  # one slot numbering
+    completions, holds, transitions = acc.apply(
+        oplog((OP_TRANSFER, 4, 10), (OP_ENQUEUE, q, 7), (OP_HOLD, h), (OP_END,), t1(4, 11, q))
+    )
+    assert completions == [(4, 11, 11)]  # 10 is held, 11 (no hold) is not
+    assert holds == [(2, 0, 4, h)]  # (op index, token, session, holder), like a held enqueue
+    assert transitions == []
+    assert acc.stats(q) == (2, 7, False, 0, 0)  # no depth for the holder, no hold for the queue
+    assert acc.stats(h) == (0, 0, False, 0, 1)
+    assert acc.apply(oplog(rel(h, 0))) == ([(4, 10, 10)], [], [])
+    assert held(acc, h) == 0
+
+
+def test_a_transfer_held_by_a_stopped_queue_and_a_holder_waits_for_both_in_either_order(acc):
+    for holder_first in (True, False):
+        q, h = stopped_queue(acc), acc.add_holder()
+        _, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 0), (OP_ENQUEUE, q), (OP_HOLD, h), (OP_END,)))
+        assert [(i, s, slot) for i, _, s, slot in holds] == [(1, 1, q), (2, 1, h)]
+        release, resume = oplog(rel(h, holds[1][1])), oplog(*[deq(q)] * 3)
+        first, second = (release, resume) if holder_first else (resume, release)
+        assert acc.apply(first)[0] == []
+        assert acc.apply(second)[0] == [(1, 0, 0)]
+        assert held(acc, q) == held(acc, h) == 0
+        acc.remove_queue(q)
+        acc.remove_holder(h)
+
+
+def test_one_transfer_may_have_several_outside_holds(acc):
+    a, b = acc.add_holder(), acc.add_holder()
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 0), (OP_HOLD, a), (OP_HOLD, b), (OP_HOLD, a), (OP_END,)))
+    assert [(h[1], h[3]) for h in holds] == [(0, a), (1, b), (2, a)]
+    assert (held(acc, a), held(acc, b)) == (2, 1)
+    assert acc.apply(oplog(rel(a, 0), rel(b, 1)))[0] == []
+    assert acc.apply(oplog(rel(a, 2)))[0] == [(1, 0, 0)]
+
+
+def test_a_release_that_names_no_live_hold_is_ignored(acc):
+    a, b = acc.add_holder(), acc.add_holder()
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 0), (OP_HOLD, a), (OP_END,)))
+    token = holds[0][1]
+    # Another holder's token, a bad generation, an index never issued, a negative one: nothing.
+    for holder, bogus in ((b, token), (a, token + (1 << 32)), (a, 1), (a, -1), (a, INT64_MAX)):
+        assert acc.apply(oplog(rel(holder, bogus))) == ([], [], [])
+    assert held(acc, a) == 1
+    # A double release: the first completes the transfer, the second is ignored.
+    assert acc.apply(oplog(rel(a, token), rel(a, token))) == ([(1, 0, 0)], [], [])
+    assert held(acc, a) == 0
+
+
+def test_a_released_entry_is_reused_last_released_first_with_a_new_generation(acc):
+    h = acc.add_holder()
+    _, holds, _ = acc.apply(oplog(*[op for i in range(3) for op in ((OP_TRANSFER, 1, i), (OP_HOLD, h), (OP_END,))]))
+    assert [t for _, t, _, _ in holds] == [0, 1, 2]
+    acc.apply(oplog(rel(h, 0), rel(h, 2)))
+    _, holds, _ = acc.apply(oplog(*[op for i in range(3, 6) for op in ((OP_TRANSFER, 1, i), (OP_HOLD, h), (OP_END,))]))
+    assert [t for _, t, _, _ in holds] == [1 << 32 | 2, 1 << 32 | 0, 3]
+    # The old token of entry 2 names nothing now; the new one names transfer 3.
+    assert acc.apply(oplog(rel(h, 2)))[0] == []
+    assert acc.apply(oplog(rel(h, 1 << 32 | 2)))[0] == [(1, 3, 3)]
+
+
+def test_a_release_inside_the_transfer_it_holds_leaves_the_routing_hold(acc):
+    h = acc.add_holder()
+    completions, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 0), (OP_HOLD, h), rel(h, 0), (OP_END,)))
+    assert holds == [(1, 0, 1, h)] and completions == [(1, 0, 0)]  # completed by its END, not before
+
+
+def test_removing_a_holder_releases_its_holds_in_session_order(acc):
+    h, other = acc.add_holder(), acc.add_holder()
+    ops = [(OP_TRANSFER, s, i) for s, i in ((2, 0), (1, 5), (2, 1), (1, 6))]
+    acc.apply(oplog(*[op for t in ops for op in (t, (OP_HOLD, h), (OP_END,))]))
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 7), (OP_HOLD, h), (OP_HOLD, other), (OP_END,)))
+    assert acc.remove_holder(h) == [(1, 5, 6), (2, 0, 1)]  # transfer 7 still waits for the other holder
+    with pytest.raises(AccountingError, match="^unknown holder slot 0$"):
+        acc.remove_holder(h)
+    with pytest.raises(AccountingError, match="^op 0: unknown holder slot 0$"):
+        acc.apply(oplog(rel(h, holds[0][1])))  # a removed holder's token, its slot free
+    # Its entries 0..4 were freed in index order: the next hold takes entry 4, in a new generation.
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 3, 0), (OP_HOLD, other), (OP_END,)))
+    assert holds == [(1, 1 << 32 | 4, 3, other)]
+    assert acc.remove_holder(other) == [(1, 7, 7), (3, 0, 0)]
+
+
+def test_a_removed_holders_tokens_never_name_a_later_hold(acc):
+    h = acc.add_holder()
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 0), (OP_HOLD, h), (OP_END,)))
+    old = holds[0][1]
+    assert acc.remove_holder(h) == [(1, 0, 0)]
+    assert acc.add_holder() == h  # the same slot, the same entry of the outside holds ...
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 1, 1), (OP_HOLD, h), (OP_END,)))
+    assert holds[0][1] == 1 << 32 | (old & 0xFFFFFFFF)  # ... in a new generation
+    assert acc.apply(oplog(rel(h, old)))[0] == []
+    assert held(acc, h) == 1
+
+
+def test_queues_and_holders_share_slots_but_not_ops(acc):
+    q, h = acc.add_queue(), acc.add_holder()
+    for ops, message in (
+        ([(OP_TRANSFER, 1, 0), (OP_HOLD, q), (OP_END,)], f"op 1: unknown holder slot {q}"),
+        ([rel(q, 0)], f"op 0: unknown holder slot {q}"),
+        ([rel(h + 1, 0)], f"op 0: unknown holder slot {h + 1}"),
+        ([(OP_ENQUEUE, h)], f"op 0: unknown queue slot {h}"),
+        ([t1(1, 0, h)], f"op 0: unknown queue slot {h}"),
+        ([deq(h)], f"op 0: unknown queue slot {h}"),
+    ):
+        with pytest.raises(AccountingError, match=f"^{re.escape(message)}$"):
+            acc.apply(oplog(*ops))
+    for call, message in (
+        (lambda: acc.set_thresholds(h, 1, 1, 0, 0), f"unknown queue slot {h}"),
+        (lambda: acc.remove_queue(h), f"unknown queue slot {h}"),
+        (lambda: acc.remove_holder(q), f"unknown holder slot {q}"),
+        (lambda: acc.remove_holder(-1), "unknown holder slot -1"),
+        (lambda: acc.remove_holder(1 << 70), f"unknown holder slot {1 << 70}"),
+    ):
+        with pytest.raises(AccountingError, match=f"^{re.escape(message)}$"):
+            call()
+    acc.remove_queue(q)
+    assert acc.add_holder() == q  # a queue's freed slot may come back as a holder ...
+    acc.remove_holder(h)
+    assert acc.add_queue() == h  # ... and a holder's as a queue, fresh
+    assert acc.stats(h) == (0, 0, False, 0, 0)
+
+
+def test_drop_session_forgets_its_outside_holds(acc):
+    h, q = acc.add_holder(), stopped_queue(acc)
+    _, holds, _ = acc.apply(oplog(
+        (OP_TRANSFER, 1, 0), (OP_HOLD, h), (OP_END,),
+        (OP_TRANSFER, 2, 0), (OP_HOLD, h), (OP_END,),
+        (OP_TRANSFER, 1, 1), (OP_ENQUEUE, q), (OP_HOLD, h), (OP_END,),
+    ))
+    assert held(acc, h) == 3 and held(acc, q) == 1
+    acc.drop_session(1)
+    assert held(acc, h) == 1 and held(acc, q) == 0
+    tokens = [t for _, t, _, slot in holds if slot == h]
+    assert acc.apply(oplog(*[rel(h, t) for t in tokens])) == ([(2, 0, 0)], [], [])  # session 1's: ignored
+    assert drain(acc, q, 3)[0] == []
+
+
+@pytest.mark.parametrize("ops", [
+    [(OP_HOLD, 1)],
+    [(OP_TRANSFER, 1, 0), (OP_END,), (OP_HOLD, 1)],
+    [t1(1, 0, 0), (OP_HOLD, 1)],
+    [(OP_TRANSFER, 1, 0), (OP_END,), (OP_HOLD, 0)],  # not in a transfer is said first
+])
+def test_a_hold_outside_a_transfer_is_refused(acc, ops):
+    acc.add_queue()
+    acc.add_holder()
+    with pytest.raises(AccountingError, match=f"^op {len(ops) - 1}: hold outside a transfer$"):
+        acc.apply(oplog(*ops))
+    assert held(acc, 1) == 0
+
+
 # -- errors ------------------------------------------------------------------
 def test_dequeue_underflow(acc):
     q = acc.add_queue()
@@ -447,7 +620,7 @@ def test_a_unit_with_stop_zero_and_a_resume_takes_part_in_resuming(acc):
     "ops, message",
     [
         ([(0,)], "op 0: unknown op code 0"),
-        ([(OP_ENQUEUE, 0), (7,)], "op 1: unknown op code 7"),
+        ([(OP_ENQUEUE, 0), (9,)], "op 1: unknown op code 9"),
         ([(OP_ENQUEUE, 0, 5), (OP_DEQUEUE_N, 0, 5, 2)], "op 1: dequeue underflows queue 0"),
         ([(OP_ENQUEUE, 0, 5), (OP_DEQUEUE_N, 0, 6, 1)], "op 1: dequeue underflows queue 0"),
         ([(OP_ENQUEUE, 0, 5), (OP_DEQUEUE_N, 0, 5, -1)], "op 1: dequeue underflows queue 0"),
@@ -500,8 +673,9 @@ def test_empty_log(acc):
 # ~100 us per draw here, so one draw per op keeps 200 examples fast. Every
 # field decodes 0 as the plainest choice, so shrinking heads for plain ops.
 SESSIONS = [0, 1, 2, -1]
-STEPS = ["apply"] * 8 + ["drain"] * 2 + ["thresholds"] * 2 + ["add"] * 2 + ["drop"] * 2 + ["remove"]
-BAD_OPS = [(0,), (9, 1, 2, 3, 4), (OP_END,), (OP_TRANSFER, 0, 0)]
+STEPS = ["apply"] * 8 + ["drain"] * 2 + ["thresholds"] * 2 + ["add"] * 2 + ["drop"] * 2 + ["remove"] + [
+    "add_holder"] * 2 + ["remove_holder"] * 2
+BAD_OPS = [(0,), (9, 1, 2, 3, 4), (OP_END,), (OP_TRANSFER, 0, 0), (OP_HOLD, 0)]
 HISTORY = st.lists(
     st.tuples(st.integers(0, 1 << 48), st.lists(st.integers(0, 1 << 62), max_size=16)),
     min_size=1,
@@ -527,20 +701,35 @@ class Fields:
 
 class Model:
     """What the test knows about each queue's messages, to make mostly valid
-    dequeues (right sizes, live hold tokens)."""
+    dequeues (right sizes, live hold tokens), and about each outside holder's
+    holds, to make mostly valid releases."""
 
     def __init__(self) -> None:
         self.queues: dict[int, list[list[int]]] = {}  # slot -> [[nbytes, token], ...]
+        self.holders: dict[int, list[tuple[int, int]]] = {}  # slot -> [(token, session), ...]
         self.next_slot = 0
         self.next_id = dict.fromkeys(SESSIONS, 0)
 
     def queue(self, f: Fields) -> int:
-        """Mostly a live queue, now and then one that is not."""
+        """Mostly a live queue, now and then one that is not (a holder's slot among them)."""
         live = sorted(self.queues)
         choice = f.take(256)
         if live and choice < 252:
             return live[choice % len(live)]
-        return [-1, self.next_slot, self.next_slot + 3, 1 << 40][choice % 4]
+        return [-1, self.next_slot, self.next_slot + 3, 1 << 40, *self.holders][choice % (4 + len(self.holders))]
+
+    def holder(self, f: Fields) -> int:
+        """Mostly a live holder, now and then a slot that is not one (a queue's among them)."""
+        live = sorted(self.holders)
+        choice = f.take(256)
+        if live and choice < 248:
+            return live[choice % len(live)]
+        return [-1, self.next_slot, 1 << 40, *self.queues][choice % (3 + len(self.queues))]
+
+    def forget_session(self, session: int) -> None:
+        """drop_session made the session's outside holds stale: releases of them are still drawn, rarely."""
+        for holds in self.holders.values():
+            holds[:] = [h for h in holds if h[1] != session]
 
 
 def outcome(call, *args):
@@ -564,6 +753,7 @@ def build_log(model: Model, codes: list[int]):
     work = {q: list(msgs) for q, msgs in model.queues.items()}
     ops: list[tuple] = []
     effects: list[tuple | None] = []
+    released: list[int] = []
 
     def enqueue(f: Fields):
         queue = model.queue(f)
@@ -577,7 +767,20 @@ def build_log(model: Model, codes: list[int]):
     for code in codes:
         f = Fields(code)
         r = f.take(100)  # rare mistakes: most logs must get to their end
-        kind = "transfer" if r < 40 else "dequeue" if r < 96 else "plain" if r < 99 else "bad"
+        kind = "transfer" if r < 36 else "release" if r < 46 else "dequeue" if r < 96 else "plain" if r < 99 else "bad"
+        if kind == "release" and not model.holders and f.take(20):
+            kind = "dequeue"  # a release needs a holder: without one, it is an error but rarely
+        if kind == "release":
+            holder = model.holder(f)
+            tokens = [t for t, _ in model.holders.get(holder, [])]
+            token = tokens[f.take(len(tokens))] if tokens else f.take(4)
+            # mostly a live hold; else one released already, another holder's, or none at all
+            token = f.pick([token, token, token, token + 1, token + (1 << 32), -1, *released[:1],
+                            *[t for h, ts in model.holders.items() if h != holder for t, _ in ts[:1]]])
+            ops.append((OP_RELEASE, holder, token))
+            effects.append(("release", holder, token))
+            released.append(token)
+            continue
         if kind == "transfer":
             session = f.pick(SESSIONS)
             if f.take(10) < 9:
@@ -597,6 +800,10 @@ def build_log(model: Model, codes: list[int]):
                 queue, nbytes, effect = enqueue(f)
                 ops.append((OP_ENQUEUE, queue, nbytes))
                 effects.append(effect)
+            for _ in range(f.pick([0, 0, 1, 1, 2]) if model.holders or f.take(50) == 0 else 0):
+                holder = model.holder(f)
+                ops.append((OP_HOLD, holder))
+                effects.append(("hold", holder, session))
             if f.take(100) < 99:  # rarely left open
                 ops.append((OP_END,))
                 effects.append(None)
@@ -673,6 +880,13 @@ def apply_effects(model: Model, effects, upto: int, holds) -> None:
         if effect is None:
             continue
         kind, queue, msg = effect
+        if kind in ("hold", "release"):  # queue is a holder; msg a session or a token
+            outside = model.holders.get(queue)
+            if outside is not None and kind == "hold" and index in tokens:
+                outside.append((tokens[index], msg))
+            elif outside is not None and kind == "release":
+                outside[:] = [h for h in outside if h[0] != msg]
+            continue
         msgs = model.queues.get(queue)
         if msgs is None:
             continue
@@ -724,7 +938,12 @@ def test_native_matches_python(history):
     for code, op_codes in history:
         f = Fields(code)
         step = f.pick(STEPS)
-        if step == "add" or not model.queues:
+        if step == "add_holder" or (not model.queues and not model.holders and f.take(2)):
+            slots = [a.add_holder() for a in both]
+            assert slots[0] == slots[1]
+            model.holders[slots[0]] = []
+            model.next_slot = max(model.next_slot, slots[0] + 1)
+        elif step == "add" or not model.queues:
             slots = [a.add_queue() for a in both]
             assert slots[0] == slots[1]
             model.queues[slots[0]] = []
@@ -747,13 +966,19 @@ def test_native_matches_python(history):
                 session = holds[f.take(len(holds))][2]
                 for a in both:
                     a.drop_session(session)
+                model.forget_session(session)
         elif step == "remove":
             queue = model.queue(f)
             if same(both, "remove_queue", queue)[0] == "ok":
                 del model.queues[queue]
+        elif step == "remove_holder":
+            holder = model.holder(f)
+            if same(both, "remove_holder", holder)[0] == "ok":
+                del model.holders[holder]
         else:
             session = f.pick(SESSIONS + [1 << 70])
             for a in both:
                 a.drop_session(session)
+            model.forget_session(session)
         for queue in range(-1, model.next_slot + 1):
             same(both, "stats", queue)

@@ -63,6 +63,17 @@ class NativeAccounting:
         self._check(lib.acct_remove_queue(self._st, _slot(queue)), queue)
         return self._completions()
 
+    # -- outside holders ----------------------------------------------------
+    def add_holder(self) -> int:
+        slot = lib.acct_add_holder(self._st)
+        if slot < 0:
+            raise MemoryError("cannot grow the queue table")
+        return slot
+
+    def remove_holder(self, holder: int) -> list[Completion]:
+        self._check(lib.acct_remove_holder(self._st, _slot(holder, "holder")), holder)
+        return self._completions()
+
     def set_thresholds(
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
     ) -> tuple[list[Completion], list[Transition]]:
@@ -82,7 +93,7 @@ class NativeAccounting:
         return self._completions(), self._transitions()
 
     def stats(self, queue: int) -> tuple[int, int, bool, int, int]:
-        """(count, bytes, flow_on, stopped_count, held)."""
+        """(count, bytes, flow_on, stopped_count, held); a holder's is (0, 0, False, 0, held)."""
         s = self._stats
         self._check(lib.acct_stats(self._st, _slot(queue), s), queue)
         return s[0], s[1], bool(s[2]), s[3], s[4]
@@ -120,18 +131,22 @@ class NativeAccounting:
 
     def _check(self, rc: int, queue: int | None = None) -> None:
         """Raise the error PyAccounting raises for status ``rc``; ``queue`` is
-        given for the calls about one queue (their errors name no op)."""
+        given for the calls about one queue or holder (their errors name no op)."""
         if rc == lib.ACCT_OK:
             return
-        if queue is not None:  # a call about one queue, not an op log
+        if queue is not None:  # a call about one queue or holder, not an op log
             if rc == lib.ACCT_ERR_UNKNOWN_QUEUE:
                 raise AccountingError(f"unknown queue slot {queue}")
+            if rc == lib.ACCT_ERR_UNKNOWN_HOLDER:
+                raise AccountingError(f"unknown holder slot {queue}")
             if rc == lib.ACCT_ERR_NOMEM:
                 raise MemoryError("out of memory")
         out = self._out
         index, value = out.err_op, out.err_value
         if rc == lib.ACCT_ERR_UNKNOWN_QUEUE:
             raise AccountingError(f"op {index}: unknown queue slot {value}")
+        if rc == lib.ACCT_ERR_UNKNOWN_HOLDER:
+            raise AccountingError(f"op {index}: unknown holder slot {value}")
         if rc == lib.ACCT_ERR_NOMEM:
             raise MemoryError(f"op {index}: out of memory")
         message = _MESSAGES.get(rc)
@@ -140,11 +155,11 @@ class NativeAccounting:
         raise AccountingError(message.format(index=index, value=value, words=OP_WORDS))
 
 
-def _slot(queue: int) -> int:
-    """A queue slot the C side can take; anything else is no queue at all."""
-    if 0 <= queue <= _INT64_MAX:
-        return queue
-    raise AccountingError(f"unknown queue slot {queue}")
+def _slot(slot: int, kind: str = "queue") -> int:
+    """A slot the C side can take; anything else is no queue (or holder) at all."""
+    if 0 <= slot <= _INT64_MAX:
+        return slot
+    raise AccountingError(f"unknown {kind} slot {slot}")
 
 
 _MESSAGES = {
@@ -155,6 +170,7 @@ _MESSAGES = {
     lib.ACCT_ERR_END_WITHOUT_TRANSFER: "op {index}: end without a transfer",
     lib.ACCT_ERR_UNKNOWN_OP: "op {index}: unknown op code {value}",
     lib.ACCT_ERR_UNTERMINATED: "op log ends inside a transfer",
+    lib.ACCT_ERR_HOLD_OUTSIDE_TRANSFER: "op {index}: hold outside a transfer",
 }
 
 

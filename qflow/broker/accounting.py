@@ -29,9 +29,10 @@ Why batch-shaped: a cffi call costs more than the same few lines of Python,
 so the broker never calls per message. It appends fixed-width ops to an
 ``array('q')`` log while it processes one input batch, then ``apply(log)``
 replays the whole log in one call. A transfer is opened with a routing hold,
-each enqueue on a stopped queue adds a hold, and closing the transfer drops the
-routing hold; a transfer whose holds reach zero is complete. So the
-accounting, not Python per message, produces the completed command-id ranges.
+each enqueue on a stopped queue adds a hold, each OP_HOLD adds an outside
+holder's, and closing the transfer drops the routing hold; a transfer whose
+holds reach zero is complete. So the accounting, not Python per message,
+produces the completed command-id ranges.
 
 Op log: ``OP_WORDS`` int64 words per op, ``(op, a, b, c, d)``:
 
@@ -47,21 +48,47 @@ Op log: ``OP_WORDS`` int64 words per op, ``(op, a, b, c, d)``:
   ``nbytes`` in all, none of them held: the same as ``count`` OP_DEQUEUEs with
   token -1, except that a resume transition it causes reports the depth after
   all of them (an accept of 500 deliveries is one op, not 500).
+* ``OP_HOLD (holder, 0, 0, 0)``: outside holder ``holder`` holds the open
+  transfer (only between OP_TRANSFER and its OP_END; anywhere else it is an
+  error). No depth changes.
+* ``OP_RELEASE (holder, token, 0, 0)``: ``holder`` lets go of its hold
+  ``token``; the transfer completes if that was its last holder. A token
+  that names no live hold of ``holder`` (released already, dropped with its
+  session, released when its holder was removed, or never issued) is ignored,
+  as a stale dequeue token is.
 
 ``apply`` returns ``(completions, holds, transitions)``:
 
 * completions: ``[(session, first, last), ...]`` ranges of completed command
   ids, consecutive ids coalesced, in the order they completed.
-* holds: ``[(op_index, token, session, queue), ...]`` for each held enqueue
-  (op_index counts ops, not words).
+* holds: ``[(op_index, token, session, slot), ...]`` for each held enqueue
+  (``slot`` is the queue) and each OP_HOLD (``slot`` is the holder); op_index
+  counts ops, not words.
 * transitions: ``[(queue, flow_on, count, nbytes), ...]`` each time a queue's
   flow state changed, with the depth at that moment.
 
 A hold token is ``generation << 32 | index`` into the queue's pending list;
 releasing the whole list bumps the generation, so stale tokens are ignored.
 A session slot is any int chosen by the caller; ``drop_session`` forgets a
-closed session's transfers: they leave the pending lists (the messages stay
-enqueued, the counts are untouched) and their completions are never reported.
+closed session's transfers: they leave the pending lists and the outside
+holds (the messages stay enqueued, the counts are untouched) and their
+completions are never reported.
+
+Outside holders (the durable store: it holds a transfer until its messages
+are on disk). ``add_holder`` registers one. A holder has no depth and no
+thresholds, so it never stops and never releases by resuming: a hold it is
+given by OP_HOLD lasts until OP_RELEASE, ``drop_session`` or
+``remove_holder``, which releases every hold it has (completions grouped and
+coalesced as when a queue resumes). Queues and holders share one slot
+numbering and one free list (last freed, first reused, either kind); an op or
+call that wants one kind, given a slot of the other, fails as an unknown slot
+of the kind it wanted (``stats`` takes either: a holder's is ``(0, 0, False,
+0, held)``). An outside hold's token is ``generation << 32 | index`` into one
+table of outside holds that all holders share: a released entry is reused
+last released first, with its generation bumped (modulo 2**31), so an old
+token never names a later hold, whichever holder now has the entry or the
+slot. A holder's memory is what it holds now, not what it ever held: it never
+resumes, so a pending list like a queue's would only ever grow.
 """
 
 from __future__ import annotations
@@ -75,6 +102,8 @@ from qflow.broker.ops import (  # noqa: F401 - the op log's format, re-exported 
     OP_DEQUEUE_N,
     OP_END,
     OP_ENQUEUE,
+    OP_HOLD,
+    OP_RELEASE,
     OP_TRANSFER,
     OP_TRANSFER1,
     OP_WORDS,
@@ -119,28 +148,44 @@ class _Queue:
         )
 
 
+class _Holder:
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = 0  # live outside holds it has
+
+
 class PyAccounting:
     """The pure-Python accounting: the reference the C code must match."""
 
     name = "python"
 
     def __init__(self) -> None:
+        # One slot numbering for queues and holders: a holder's slot is None here (so every
+        # queue op refuses it as an unknown queue, at no cost) and its _Holder is in _holders.
         self._queues: list[_Queue | None] = []
+        self._holders: dict[int, _Holder] = {}
         self._free_queues: list[int] = []
         # transfer slot -> [holds, session, command_id]; session None once
         # dropped (not -1: a session may be any int, negative ones included)
         self._transfers: list[list[int | None] | None] = []
         self._free_transfers: list[int] = []
+        # The outside holds, all holders': [transfer slot (-1 while free), holder, generation].
+        self._outside: list[list[int]] = []
+        self._free_outside: list[int] = []
 
     # -- queues -------------------------------------------------------------
-    def add_queue(self) -> int:
+    def _take_slot(self, queue: _Queue | None) -> int:
         if self._free_queues:
             slot = self._free_queues.pop()
-            self._queues[slot] = _Queue()
+            self._queues[slot] = queue
         else:
             slot = len(self._queues)
-            self._queues.append(_Queue())
+            self._queues.append(queue)
         return slot
+
+    def add_queue(self) -> int:
+        return self._take_slot(_Queue())
 
     def _queue(self, queue: int) -> _Queue:
         if queue < 0 or queue >= len(self._queues) or self._queues[queue] is None:
@@ -160,6 +205,38 @@ class PyAccounting:
         self._queues[queue] = None
         self._free_queues.append(queue)
         return out
+
+    # -- outside holders ----------------------------------------------------
+    def add_holder(self) -> int:
+        slot = self._take_slot(None)
+        self._holders[slot] = _Holder()
+        return slot
+
+    def _op_holder(self, index: int, holder: int) -> _Holder:
+        h = self._holders.get(holder)
+        if h is None:
+            raise AccountingError(f"op {index}: unknown holder slot {holder}")
+        return h
+
+    def remove_holder(self, holder: int) -> list[Completion]:
+        if self._holders.pop(holder, None) is None:
+            raise AccountingError(f"unknown holder slot {holder}")
+        out: list[Completion] = []
+        for i, entry in enumerate(self._outside):
+            if entry[0] >= 0 and entry[1] == holder:
+                self._unhold(self._free_hold(i), out)
+        _group_by_session(out, 0)
+        self._free_queues.append(holder)
+        return out
+
+    def _free_hold(self, i: int) -> int:
+        """Free outside hold ``i``; returns the transfer it held."""
+        entry = self._outside[i]
+        slot = entry[0]
+        entry[0] = -1
+        entry[2] = (entry[2] + 1) & 0x7FFFFFFF
+        self._free_outside.append(i)
+        return slot
 
     def set_thresholds(
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
@@ -184,7 +261,10 @@ class PyAccounting:
         return completions, transitions
 
     def stats(self, queue: int) -> tuple[int, int, bool, int, int]:
-        """(count, bytes, flow_on, stopped_count, held)."""
+        """(count, bytes, flow_on, stopped_count, held); a holder's is (0, 0, False, 0, held)."""
+        h = self._holders.get(queue)
+        if h is not None:
+            return 0, 0, False, 0, h.held
         q = self._queue(queue)
         return q.count, q.nbytes, q.flow_on, q.stopped_count, q.held
 
@@ -219,11 +299,7 @@ class PyAccounting:
         for slot in pending:
             if slot >= 0:
                 self._unhold(slot, out)
-        if len(out) - start > 1:
-            released = sorted(out[start:])
-            del out[start:]
-            for session, first, last in released:
-                _add_range(out, session, first, last)
+        _group_by_session(out, start)
 
     def drop_session(self, session: int) -> None:
         for q in self._queues:
@@ -235,6 +311,10 @@ class PyAccounting:
                     pending[i] = -1
                     q.held -= 1
                     self._unhold(slot, [])
+        for i, entry in enumerate(self._outside):
+            if entry[0] >= 0 and self._transfers[entry[0]][1] == session:  # type: ignore[index]
+                self._holders[entry[1]].held -= 1
+                self._unhold(self._free_hold(i), [])
         for t in self._transfers:
             if t is not None and t[1] == session:
                 t[1] = None
@@ -321,6 +401,31 @@ class PyAccounting:
                     q.flow_on = False
                     transitions.append((a, False, q.count, q.nbytes))
                     self._release_all(q, completions)
+            elif op == OP_HOLD:
+                if not opened:
+                    raise AccountingError(f"op {index}: hold outside a transfer")
+                h = self._op_holder(index, a)
+                if current < 0:
+                    current = self._new_transfer(session, command_id)
+                self._transfers[current][0] += 1  # type: ignore[index]
+                if self._free_outside:
+                    i = self._free_outside.pop()
+                    entry = self._outside[i]
+                    entry[0], entry[1] = current, a
+                else:
+                    i = len(self._outside)
+                    entry = [current, a, 0]
+                    self._outside.append(entry)
+                h.held += 1
+                holds.append((index, (entry[2] << 32) | i, session, a))
+            elif op == OP_RELEASE:
+                h = self._op_holder(index, a)
+                i = b & 0xFFFFFFFF
+                if b >= 0 and i < len(self._outside):
+                    entry = self._outside[i]
+                    if entry[0] >= 0 and entry[1] == a and entry[2] == b >> 32:
+                        h.held -= 1
+                        self._unhold(self._free_hold(i), completions)
             elif op != OP_TRANSFER1:
                 raise AccountingError(f"op {index}: unknown op code {op}")
         if opened:
@@ -339,6 +444,16 @@ def _add_range(out: list[Completion], session: int, first: int, last: int) -> No
 
 def _add_completion(out: list[Completion], session: int, command_id: int) -> None:
     _add_range(out, session, command_id, command_id)
+
+
+def _group_by_session(out: list[Completion], start: int) -> None:
+    """A release of many holds interleaves sessions: order its completions (from
+    ``start`` on) by (session, first id) and coalesce them."""
+    if len(out) - start > 1:
+        released = sorted(out[start:])
+        del out[start:]
+        for session, first, last in released:
+            _add_range(out, session, first, last)
 
 
 def native_available() -> bool:

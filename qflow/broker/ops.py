@@ -18,6 +18,8 @@ OP_END = 3
 OP_TRANSFER1 = 4
 OP_DEQUEUE = 5
 OP_DEQUEUE_N = 6
+OP_HOLD = 7
+OP_RELEASE = 8
 
 COUNT_MAX = 0xFFFFFFFF
 SIZE_MAX = 0xFFFFFFFFFFFFFFFF
@@ -35,7 +37,7 @@ Transition = tuple[int, bool, int, int]
 
 class AccountingError(Exception):
     """An impossible accounting state was requested (underflow, overflow,
-    unknown queue, malformed op). The state is left as it was before the op
+    unknown queue or holder, malformed op). The state is left as it was before the op
     that failed; ops before it in the same log have been applied."""
 
 
@@ -44,6 +46,8 @@ class Accounting(Protocol):
 
     def add_queue(self) -> int: ...
     def remove_queue(self, queue: int) -> list[Completion]: ...
+    def add_holder(self) -> int: ...
+    def remove_holder(self, holder: int) -> list[Completion]: ...
     def set_thresholds(
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
     ) -> tuple[list[Completion], list[Transition]]: ...
