@@ -19,6 +19,7 @@ CDEF = """
 #define QF_OP_ENQUEUE ...
 #define QF_OP_END ...
 #define QF_OP_TRANSFER1 ...
+#define QF_OP_HOLD ...
 
 typedef struct qf_run {
     size_t count;
@@ -44,7 +45,8 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
                         int64_t queue, uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out);
 void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
-                   int64_t first_command, const int64_t *queues, size_t nq, int64_t *ops);
+                   int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
+                   int64_t *ops);
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
 int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len);
 """

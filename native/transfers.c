@@ -210,7 +210,8 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
 }
 
 void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
-                   int64_t first_command, const int64_t *queues, size_t nq, int64_t *ops)
+                   int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
+                   int64_t *ops)
 {
     const uint8_t *end = buf + len;
     const uint8_t *p = buf + pos;
@@ -229,6 +230,12 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, s
             ops[1] = queues[j];
             ops[2] = (int64_t)size;
             ops[3] = ops[4] = 0;
+            ops += QF_OP_WORDS;
+        }
+        for (size_t j = 0; j < nh; j++) {
+            ops[0] = QF_OP_HOLD;
+            ops[1] = holders[j];
+            ops[2] = ops[3] = ops[4] = 0;
             ops += QF_OP_WORDS;
         }
         ops[0] = QF_OP_END;

@@ -25,6 +25,7 @@
 #define QF_OP_ENQUEUE 2
 #define QF_OP_END 3
 #define QF_OP_TRANSFER1 4
+#define QF_OP_HOLD 7
 
 typedef struct qf_run {
     size_t count;          /* frames in the run */
@@ -61,11 +62,13 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
                         qf_stored *out);
 
 /* The ops of the first count frames of a run scanned at pos going to several
- * queues (a fanout): for each, OP_TRANSFER (session, first_command + i), one
- * OP_ENQUEUE (queue, body size) per queue, OP_END; (2 + nq) * QF_OP_WORDS
- * words per frame. The entries come from qf_store_transfers, once per queue. */
+ * queues (a fanout), or to queues with outside holders: for each, OP_TRANSFER
+ * (session, first_command + i), one OP_ENQUEUE (queue, body size) per queue,
+ * one OP_HOLD (holder) per holder, OP_END; (2 + nq + nh) * QF_OP_WORDS words
+ * per frame. The entries come from qf_store_transfers, once per queue. */
 void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
-                   int64_t first_command, const int64_t *queues, size_t nq, int64_t *ops);
+                   int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
+                   int64_t *ops);
 
 /* The other way: a message.deliver-run frame (docs/protocol.md) carries
  * ``count`` queue entries back to back, each the 19-byte head above, then

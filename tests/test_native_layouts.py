@@ -36,7 +36,7 @@ def test_every_c_accounting_error_has_its_own_message(name):
     assert not str(raised.value).startswith("accounting status")
 
 
-@pytest.mark.parametrize("name", ["OP_WORDS", "OP_TRANSFER", "OP_ENQUEUE", "OP_END", "OP_TRANSFER1"])
+@pytest.mark.parametrize("name", ["OP_WORDS", "OP_TRANSFER", "OP_ENQUEUE", "OP_END", "OP_TRANSFER1", "OP_HOLD"])
 def test_the_c_transfer_scanner_writes_the_python_op_codes(name):
     assert getattr(transfers, "QF_" + name) == getattr(ops, name)
 

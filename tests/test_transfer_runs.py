@@ -1,7 +1,8 @@
 """Runs of transfers taken whole by C (qflow.broker.transfer_runs) leave the
 broker exactly as the frame-by-frame path does: the same queue entries, the
-same accounting, the same bytes written to every connection (completions,
-exceptions, deliveries), however the stream is split into reads."""
+same accounting, the same holds given to outside holders, the same bytes
+written to every connection (completions, exceptions, deliveries), however
+the stream is split into reads."""
 
 from __future__ import annotations
 
@@ -74,16 +75,31 @@ def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
             broker.runs = _CountingRuns(broker.runs)
         conn = ConnectionPump(broker, 1 << 20, 0.0)
         _feed(conn, _setup_frames())
+        # Outside holders: "store" on a (direct and fanout routes) and h (stopped, fanout), "disk" on s
+        # and a (a transfer to a is held by both). Each read's holds are released after the next read.
+        store, disk = broker.add_holder("store"), broker.add_holder("disk")
+        for name, holder in (("a", store), ("h", store), ("s", disk), ("a", disk)):
+            broker.queues[name].add_holder(holder)
+        given = {store: [], disk: []}
+        to_release: list[tuple] = []
         written = [conn.encoder.take()]
         for chunk in chunks:
             for i in range(0, len(chunk), READ_SIZE):  # no read is larger, as in qflowd
                 _feed(conn, chunk[i:i + READ_SIZE])
+                for holder, held in to_release:
+                    holder.release(token for token, _ in held)
+                broker.flush()
+                to_release = [(holder, holder.take()) for holder in (store, disk)]
+                for holder, held in to_release:
+                    given[holder] += [(t, [(q.name, e) for q, e in messages]) for t, messages in held]
                 written.append(conn.encoder.take())
         queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring, q.stats(),
                          broker.acct.stats(q.slot), sorted(q.flow.tokens))
                   for name, q in broker.queues.items()}
         sessions = {ch: (s.commands.next_id, s.commands.floor, s.next_delivery) for ch, s in conn.sessions.items()}
-        return {"queues": queues, "sessions": sessions, "written": b"".join(written), "scanned_runs": broker.runs.found if runs else 0}
+        holders = {h.name: (given[h], broker.acct.stats(h.slot)) for h in (store, disk)}
+        return {"queues": queues, "sessions": sessions, "holders": holders, "written": b"".join(written),
+                "scanned_runs": broker.runs.found if runs else 0}
 
     return trio.run(go)
 
@@ -186,3 +202,7 @@ def test_a_run_to_a_fanout_is_taken_whole():
     frames.pop("scanned_runs")
     assert runs == frames
     assert runs["queues"]["r"][1] == 4 and runs["queues"]["h"][8]  # r full, h holding transfers
+    # one hold per holder per transfer: the store's covers both a and h, the disk's only a
+    store, disk = runs["holders"]["store"][0], runs["holders"]["disk"][0]
+    assert len(store) == len(disk) == 12
+    assert [q for q, _ in store[0][1]] == ["a", "h"] and [q for q, _ in disk[0][1]] == ["a"]

@@ -25,7 +25,7 @@ from qflow.broker.accounting import load_accounting
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
 from qflow.broker.flow import FlowDefaults, SettingsError, resolve, resume_without_stop
-from qflow.broker.flow_limit import FlowControl, pack_op
+from qflow.broker.flow_limit import FlowControl, Holder, holders_of, pack_op
 from qflow.broker.ops import OP_END, OP_TRANSFER, Accounting
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -150,22 +150,32 @@ class Broker:
             self._note_writer(ssn, queues)
         if len(queues) == 1:
             q = queues[0]
-            q.enqueue(tail, size, ssn.slot, command_id)
-            if q.ring:
+            if not q.special:
+                q.enqueue(tail, size, ssn.slot, command_id)
+                return
+            if not q.holders:  # a ring queue: room is made after the enqueue
+                q.enqueue(tail, size, ssn.slot, command_id)
                 q.trim_ring()
-            return
-        # Several destinations: the transfer is opened, each queue enqueues, and
-        # closing it drops its routing hold (qflow.broker.flow_limit).
+                return
+        # Several destinations, or outside holders: the transfer is opened, each
+        # queue enqueues, the queues' outside holders hold it, and closing it
+        # drops its routing hold (qflow.broker.flow_limit).
         flow = self.flow
         flow.log += pack_op(OP_TRANSFER, ssn.slot, command_id, 0, 0)
         flow.log_seqs.append(None)
+        special = False
         for q in queues:
             q.enqueue(tail, size)
+            if q.special:
+                special = True
+        if special:
+            flow.hold(queues)
         flow.log += pack_op(OP_END, 0, 0, 0, 0)
         flow.log_seqs.append(None)
-        for q in queues:
-            if q.ring:
-                q.trim_ring()
+        if special:
+            for q in queues:
+                if q.ring:
+                    q.trim_ring()
 
     def _refuse_when_full(self, q: Queue) -> None:
         """``q`` is full: raise unless its policy lets the message in (a ring
@@ -216,7 +226,7 @@ class Broker:
             return 0
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
-        if len(queues) > 1:
+        if len(queues) > 1 or queues[0].holders:
             return self._fanout_run(ssn, queues, buf, pos, count, max_bytes)
         q = queues[0]
         seq = q.next_seq
@@ -233,26 +243,37 @@ class Broker:
 
     def _fanout_run(self, ssn: BrokerSession, queues: list[Queue], buf: bytes, pos: int, count: int,
                     max_bytes: int) -> int:
-        """:meth:`transfer_run` for a run routed to several queues: each queue
-        gets its own entries (their sequence numbers differ), and the ops are
-        those :meth:`transfer` logs for a transfer to several queues."""
+        """:meth:`transfer_run` for a run routed to several queues, or to queues
+        with outside holders: each queue gets its own entries (their sequence
+        numbers differ), and the ops are those :meth:`transfer` logs for such a
+        transfer."""
         runs = self.runs
         cid = ssn.commands.next_id
         stored = [runs.store(buf, pos, count, max_bytes, q.next_seq, ssn.slot, cid, q.slot) for q in queues]
         n, consumed, nbytes = stored[0][:3]
         if not n:
             return 0
-        ops = runs.fanout_ops(buf, pos, n, ssn.slot, cid, [q.slot for q in queues])
+        holders = holders_of(queues)
+        ops = runs.fanout_ops(buf, pos, n, ssn.slot, cid, [q.slot for q in queues], [h.slot for h in holders])
         ssn.commands.next_id = cid + n
         seqs = [q.next_seq for q in queues]
         for q, (_, _, _, entries, _) in zip(queues, stored, strict=True):
             q.enqueue_run(entries, nbytes)
-        # One log entry per op: None for OP_TRANSFER and OP_END, each queue's sequence number for its OP_ENQUEUE.
+        # One log entry per op: None for OP_TRANSFER and OP_END, each queue's sequence number for its OP_ENQUEUE,
+        # and for each OP_HOLD the messages it holds, as FlowControl.hold gives them.
         log_seqs = self.flow.log_seqs
-        for i in range(n):
-            log_seqs.append(None)
-            log_seqs += [s + i for s in seqs]
-            log_seqs.append(None)
+        if not holders:
+            for i in range(n):
+                log_seqs.append(None)
+                log_seqs += [s + i for s in seqs]
+                log_seqs.append(None)
+        else:
+            covered = list(holders.values())
+            for i in range(n):
+                log_seqs.append(None)
+                log_seqs += [s + i for s in seqs]
+                log_seqs += [tuple((queues[j], stored[j][3][i]) for j in held) for held in covered]
+                log_seqs.append(None)
         self.flow.log += ops
         return consumed
 
@@ -276,6 +297,19 @@ class Broker:
         if oldest is None:
             return False
         return not q.entries or oldest < seq_of(q.entries[0])
+
+    # -- outside holders ----------------------------------------------------------
+    def add_holder(self, name: str, wake: Callable[[], None] | None = None) -> Holder:
+        """A new outside holder of transfers' completion (qflow.broker.flow_limit.Holder);
+        a queue carries it with :meth:`Queue.add_holder`."""
+        return self.flow.add_holder(name, wake)
+
+    def remove_holder(self, holder: Holder) -> None:
+        """The holder is gone (the store closes): no queue carries it, and the
+        transfers it held complete unless something else holds them. Reported
+        at once, as a session's close is."""
+        self._complete(self.flow.remove_holder(holder))
+        self.flush()
 
     # -- acknowledgement ----------------------------------------------------------
     def accept(self, queues: list[Queue], entries: list[Entry]) -> None:

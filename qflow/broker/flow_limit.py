@@ -17,26 +17,39 @@ manual's rules, and counts each transfer's holders:
   Message.Transfer command that causes a message to be delivered to a queue
   with active flow control ... until flow control state transitions to OFF for
   all queues that are a destination for that command": a transfer is held by
-  its routing (until every destination has its message) and by each queue
-  that was stopped when the message arrived; it completes when no holder is
-  left. A held message dequeued while the flow is still ON is released by that
-  queue at once, as QueueFlowLimit does.
+  its routing (until every destination has its message), by each queue
+  that was stopped when the message arrived, and by each outside holder (a
+  :class:`Holder`: the durable store) of its queues; it completes when no
+  holder is left. A held message dequeued while the flow is still ON is
+  released by that queue at once, as QueueFlowLimit does.
 
 What comes back is applied here: each hold is remembered by the queue's
-:class:`FlowLimit` (so the dequeue of that message can release it), the
-sessions concerned are told (``session.flow-notice``), transitions are
-logged, and the completed command ranges go back to the broker.
+:class:`FlowLimit` (so the dequeue of that message can release it) or handed
+to its outside holder, the sessions concerned are told
+(``session.flow-notice``: flow control's holds only), transitions are logged,
+and the completed command ranges go back to the broker.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import time
+from collections.abc import Callable, Iterable, Sequence
 from struct import Struct
 from typing import TYPE_CHECKING, Any
 
 from qflow.broker.flow import QueueSettings, describe_transition
-from qflow.broker.ops import OP_WORDS, Accounting, AccountingError, Completion, Transition
+from qflow.broker.ops import (
+    OP_HOLD,
+    OP_RELEASE,
+    OP_WORDS,
+    Accounting,
+    AccountingError,
+    Completion,
+    Transition,
+)
+from qflow.protocol.entries import Entry
 
 if TYPE_CHECKING:
     from qflow.broker.queue import Queue
@@ -99,18 +112,80 @@ class FlowLimit:
         self.worst_warned = over
 
 
+# What a holder is handed for each transfer it holds: (its token, the messages held: (queue, entry) for
+# each of the transfer's queues that carry the holder).
+Held = tuple[int, tuple[tuple["Queue", Entry], ...]]
+
+
+def _nothing() -> None:
+    pass
+
+
+class Holder:
+    """An outside holder of transfers' completion: the durable store (issue 14)
+    will be one, holding a durable message's transfer until its write is synced.
+
+    Queues carry it (:meth:`Queue.add_holder`). A transfer routed to any of them
+    is held by it once, however many of its queues carry it: the store writes a
+    transfer's messages together and one sync covers them, so one release
+    should complete the transfer. After each apply, its new holds wait in
+    :meth:`take` and ``wake`` is called; :meth:`release` lets go of them, and
+    the transfer completes once its other holders (routing, stopped queues,
+    other outside holders) have let go too. Created by :meth:`FlowControl.add_holder`."""
+
+    __slots__ = ("slot", "name", "control", "arrived", "wake", "removed")
+
+    def __init__(self, slot: int, name: str, control: FlowControl, wake: Callable[[], None] | None) -> None:
+        self.slot = slot  # the accounting's number for it (queues and holders share the numbering)
+        self.name = name
+        self.control = control
+        self.arrived: list[Held] = []  # holds given since the last take()
+        self.wake = wake or _nothing  # called after an apply that gave it holds
+        self.removed = False
+
+    def __repr__(self) -> str:
+        return f"<Holder {self.name!r} slot {self.slot}{' removed' if self.removed else ''}>"
+
+    def take(self) -> list[Held]:
+        """The holds given to this holder since the last call: ``(token, messages)``
+        per transfer, ``messages`` the ``(queue, entry)`` it holds (entries as
+        qflow.protocol.entries stores them)."""
+        arrived, self.arrived = self.arrived, []
+        return arrived
+
+    def release(self, tokens: Iterable[int]) -> None:
+        """Let go of these holds (tokens from :meth:`take`). They are ops in the
+        log: the next apply (:meth:`Broker.flush`: call it when no input batch is
+        under way) completes each transfer left without a holder. A token of a
+        hold that is gone (released already, its session closed) is ignored;
+        after :meth:`FlowControl.remove_holder` this does nothing: removing
+        released every hold."""
+        if self.removed:
+            return
+        control = self.control
+        for token in tokens:
+            try:
+                op = pack_op(OP_RELEASE, self.slot, token, 0, 0)
+            except struct.error:
+                raise ValueError(f"holder {self.name!r}: {token!r} is not a hold token") from None
+            control.log += op
+            control.log_seqs.append(None)
+
+
 class FlowControl:
     """Every queue's flow limit and every transfer's completion, batched.
 
-    Writers append to ``log`` (with ``pack_op``) and, per op, the message
-    sequence number it enqueued (or None) to ``log_seqs``; :meth:`apply` runs
-    them. ``dirty`` collects the sessions with something to report."""
+    Writers append to ``log`` (with ``pack_op``) and, per op, to ``log_seqs``:
+    the message sequence number it enqueued, for OP_HOLD the messages held
+    (``(queue, entry)`` pairs), else None; :meth:`apply` runs them. ``dirty``
+    collects the sessions with something to report."""
 
     def __init__(self, accounting: Accounting) -> None:
         self.acct = accounting
         self.log = bytearray()
-        self.log_seqs: list[int | None] = []
+        self.log_seqs: list[Any] = []
         self.queues: dict[int, Queue] = {}  # by accounting slot
+        self.holders: dict[int, Holder] = {}  # by accounting slot
         self.sessions: dict[int, BrokerSession] = {}  # by accounting slot
         self.dirty: dict[BrokerSession, None] = {}
 
@@ -143,6 +218,35 @@ class FlowControl:
         """(count, bytes, flow on, times stopped, transfers held) as the accounting has them."""
         return self.acct.stats(q.flow.slot)
 
+    # -- outside holders -------------------------------------------------------
+    def add_holder(self, name: str, wake: Callable[[], None] | None = None) -> Holder:
+        """A new outside holder; it holds nothing until a queue carries it."""
+        holder = Holder(self.acct.add_holder(), name, self, wake)
+        self.holders[holder.slot] = holder
+        return holder
+
+    def remove_holder(self, holder: Holder) -> list[Completion]:
+        """The holder is gone: no queue carries it any more, and every transfer it
+        holds is held by it no more. The log is applied first (its holds and
+        releases take effect); returns the completed command ranges."""
+        if holder.removed:
+            raise ValueError(f"holder {holder.name!r} was removed already")
+        completions = self.apply()
+        for q in self.queues.values():
+            if holder in q.holders:
+                q.remove_holder(holder)
+        del self.holders[holder.slot]
+        holder.removed = True
+        holder.arrived = []  # released below: nothing left for it to do
+        return completions + self.acct.remove_holder(holder.slot)
+
+    def hold(self, queues: Sequence[Queue]) -> None:
+        """In an open transfer, after its enqueues on ``queues``: one OP_HOLD per
+        outside holder that any of them carry, in the order first carried."""
+        for holder, covered in holders_of(queues).items():
+            self.log += pack_op(OP_HOLD, holder.slot, 0, 0, 0)
+            self.log_seqs.append(tuple((queues[i], queues[i].entries[-1]) for i in covered))
+
     # -- sessions ------------------------------------------------------------
     def drop_session(self, ssn: BrokerSession) -> None:
         """A closed session's transfers are forgotten: never held, never reported."""
@@ -166,9 +270,15 @@ class FlowControl:
         except AccountingError:
             log.exception("accounting refused an op: this is a broker bug")
             return []
-        for op_index, token, session_slot, queue_slot in holds:
-            q = self.queues[queue_slot]
-            q.flow.tokens[seqs[op_index]] = token  # type: ignore[index]
+        woken: dict[Holder, None] = {}
+        for op_index, token, session_slot, slot in holds:
+            q = self.queues.get(slot)
+            if q is None:  # an outside holder's hold (a slot is a queue's or a holder's)
+                holder = self.holders[slot]
+                holder.arrived.append((token, seqs[op_index]))
+                woken[holder] = None
+                continue
+            q.flow.tokens[seqs[op_index]] = token
             ssn = self.sessions.get(session_slot)
             if ssn is not None and ssn not in q.flow.held_sessions:
                 q.flow.held_sessions[ssn] = None
@@ -176,6 +286,8 @@ class FlowControl:
                 ssn.out.flow_notice(q.name, True)
                 self.dirty[ssn] = None
         self._transitions(transitions, None)
+        for holder in woken:
+            holder.wake()
         return completions
 
     def _transitions(self, transitions: list[Transition], settings: QueueSettings | None) -> None:
@@ -192,3 +304,13 @@ class FlowControl:
             ssn.out.flow_notice(q.name, False)
             self.dirty[ssn] = None
         q.flow.held_sessions.clear()
+
+
+def holders_of(queues: Sequence[Queue]) -> dict[Holder, list[int]]:
+    """The outside holders ``queues`` carry, in the order first carried, each
+    with the indices (into ``queues``) of the queues that carry it."""
+    holders: dict[Holder, list[int]] = {}
+    for i, q in enumerate(queues):
+        for holder in q.holders:
+            holders.setdefault(holder, []).append(i)
+    return holders

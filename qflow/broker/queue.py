@@ -20,7 +20,7 @@ from qflow.broker.ops import OP_DEQUEUE, OP_DEQUEUE_N, OP_ENQUEUE, OP_TRANSFER1
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, body_bytes, seq_and_size, seq_of
 
 if TYPE_CHECKING:
-    from qflow.broker.flow_limit import FlowControl
+    from qflow.broker.flow_limit import FlowControl, Holder
 
 _entry_head = ENTRY_HEAD.pack
 
@@ -48,7 +48,7 @@ class Queue:
         "ready", "entries", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
-        "route", "browsers",
+        "route", "browsers", "holders", "special",
     )
 
     def __init__(
@@ -65,6 +65,10 @@ class Queue:
         self.max_count = settings.max_count  # copied from settings for the per-message path
         self.max_size = settings.max_size
         self.ring = settings.is_ring
+        self.holders: tuple[Holder, ...] = ()  # outside holders of the transfers routed here
+        # A ring queue, or one with outside holders: the per-message path tests this one flag
+        # for both, so that a queue with neither costs no more for their existence.
+        self.special = self.ring
         self.owner = owner
         self.flow = flow  # its flow limit
         self.slot = flow.slot  # the accounting's number for it, at hand for the per-message path
@@ -91,6 +95,22 @@ class Queue:
         self.max_count = settings.max_count
         self.max_size = settings.max_size
         self.ring = settings.is_ring
+        self.special = self.ring or bool(self.holders)
+
+    # -- outside holders ------------------------------------------------------
+    def add_holder(self, holder: Holder) -> None:
+        """From now on ``holder`` holds each transfer routed here (qflow.broker.flow_limit.Holder)."""
+        if holder.removed:
+            raise ValueError(f"queue {self.name!r}: holder {holder.name!r} was removed")
+        if holder not in self.holders:
+            self.holders = (*self.holders, holder)
+            self.special = True
+
+    def remove_holder(self, holder: Holder) -> None:
+        """From now on ``holder`` does not hold the transfers routed here; the
+        holds it has keep until it releases them."""
+        self.holders = tuple(h for h in self.holders if h is not holder)
+        self.special = self.ring or bool(self.holders)
 
     @property
     def total_enqueues(self) -> int:

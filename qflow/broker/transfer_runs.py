@@ -73,12 +73,13 @@ class TransferRuns:
             _buffer(self._ops, n * 8 * lib.QF_OP_WORDS)
 
     def fanout_ops(self, buf: bytes, pos: int, count: int, session: int, first_command: int,
-                   queues: list[int]) -> Any:
+                   queues: list[int], holders: list[int]) -> Any:
         """The ops' bytes for the first ``count`` frames of the run scanned at
-        ``pos``, each going to every queue of ``queues`` (slots); their entries
-        come from :meth:`store`, called once per queue."""
-        words = count * (2 + len(queues)) * lib.QF_OP_WORDS
+        ``pos``, each going to every queue of ``queues`` (slots) and held by
+        every outside holder of ``holders`` (slots); their entries come from
+        :meth:`store`, called once per queue."""
+        words = count * (2 + len(queues) + len(holders)) * lib.QF_OP_WORDS
         ops = ffi.new("int64_t[]", words)
         _fanout(_from_buffer(buf), len(buf), pos, self.run.key_len, count, session, first_command,
-                ffi.new("int64_t[]", queues), len(queues), ops)
+                ffi.new("int64_t[]", queues), len(queues), ffi.new("int64_t[]", holders), len(holders), ops)
         return _buffer(ops, words * 8)

@@ -1,0 +1,271 @@
+"""Outside holders of a transfer's completion (issue 20: what the durable store
+plugs into), run deterministically through the in-memory harness, with the
+broker taking transfers in runs (C) and frame by frame. A transfer completes
+when its routing, each stopped queue and each outside holder have let go."""
+
+from __future__ import annotations
+
+import io
+
+import msgpack
+import pytest
+
+from qflow import protocol as P
+from qflow.broker import Broker
+from qflow.broker.flow_limit import Holder
+from qflow.broker.ops import OP_END, OP_ENQUEUE, OP_HOLD, OP_TRANSFER, OP_TRANSFER1
+from qflow.protocol.entries import entry_tail, seq_of
+from qflow.protocol.ranges import RangeSet
+from qflow.testing import Harness, MemorySession
+
+STOP_AT_2 = {"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1}
+
+
+@pytest.fixture(params=[True, False], ids=["runs", "frames"])
+def harness(request) -> Harness:
+    h = Harness(transfer_runs=request.param)
+    if request.param:  # make sure the run path is the one taken for queues with outside holders
+        broker, taken = h.broker, []
+        fanout_run = broker._fanout_run
+        broker._fanout_run = lambda *args: taken.append(fanout_run(*args)) or taken[-1]
+        h.runs_taken = taken
+    return h
+
+
+def send(h: Harness, ssn: MemorySession, queue: str, n: int, body: bytes = b"x", exchange: str = "") -> list[int]:
+    ids = [ssn.transfer(queue, body, exchange) for _ in range(n)]
+    h.run()
+    return ids
+
+
+def drain(h: Harness, ssn: MemorySession, queue: str, n: int) -> None:
+    destination = f"drain-{len(ssn.deliveries)}-{n}"
+    ssn.subscribe(queue, destination, credit=n)
+    ssn.call(P.CANCEL, destination)
+
+
+def release(h: Harness, holder: Holder, tokens: list[int]) -> None:
+    """What the store will do once its write is synced: release, then flush (no input batch is under way)."""
+    holder.release(tokens)
+    h.broker.flush()
+    h.run()
+
+
+def tokens(held: list) -> list[int]:
+    return [token for token, _ in held]
+
+
+def test_a_transfer_is_not_complete_until_its_holder_releases(harness: Harness):
+    p = harness.connect().session()
+    p.declare_queue("q")
+    woken = []
+    store = harness.broker.add_holder("store", wake=lambda: woken.append(1))
+    harness.broker.queues["q"].add_holder(store)
+    ids = send(harness, p, "q", 3, b"body")
+    assert p.incomplete(ids) == ids
+    assert woken and harness.broker.acct.stats(store.slot) == (0, 0, False, 0, 3)
+    held = store.take()
+    assert store.take() == []
+    q = harness.broker.queues["q"]
+    # One hold per transfer, with the message it holds: the queue and the entry as stored.
+    assert [(queue, seq_of(entry), entry_tail(entry)) for _, messages in held for queue, entry in messages] == [
+        (q, seq, ("", "q", None, b"body")) for seq in (1, 2, 3)]
+    assert q.count == 3 and not p.held_by  # held by the store, not by flow control: no flow notice
+    release(harness, store, tokens(held)[:2])
+    assert p.incomplete(ids) == ids[2:]
+    release(harness, store, tokens(held))  # the first two again: ignored
+    assert not p.incomplete(ids)
+    assert harness.broker.acct.stats(store.slot)[4] == 0
+    if harness.broker.runs is not None:
+        assert harness.runs_taken and all(harness.runs_taken)
+
+
+@pytest.mark.parametrize("holder_first", [True, False], ids=["holder-first", "queue-first"])
+def test_a_transfer_held_by_a_stopped_queue_and_a_holder_waits_for_both(harness: Harness, holder_first: bool):
+    p = harness.connect().session()
+    p.declare_queue("q", STOP_AT_2)
+    store = harness.broker.add_holder("store")
+    harness.broker.queues["q"].add_holder(store)
+    first = send(harness, p, "q", 2)
+    release(harness, store, tokens(store.take()))
+    assert not p.incomplete(first)
+    held = send(harness, p, "q", 1)  # the third: flow stops, and the store holds it too
+    assert p.held_by == {"q"} and p.incomplete(held) == held
+    c = harness.connect().session()
+    if holder_first:
+        release(harness, store, tokens(store.take()))
+        assert p.incomplete(held) == held  # the queue still holds it
+        drain(harness, c, "q", 3)
+    else:
+        drain(harness, c, "q", 3)
+        assert not p.held_by and p.incomplete(held) == held  # the store still holds it
+        release(harness, store, tokens(store.take()))
+    assert not p.incomplete(held)
+
+
+def test_a_fanout_is_held_once_per_holder_for_the_whole_transfer(harness: Harness):
+    p = harness.connect().session()
+    for name in ("a", "b", "c"):
+        p.declare_queue(name)
+        p.call(P.EXCHANGE_BIND, "amq.fanout", name, "")
+    store, other = harness.broker.add_holder("store"), harness.broker.add_holder("other")
+    queues = harness.broker.queues
+    queues["a"].add_holder(store)
+    queues["b"].add_holder(other)
+    queues["c"].add_holder(store)
+    ids = send(harness, p, "", 2, exchange="amq.fanout")
+    held = store.take()
+    # one hold per transfer, covering both of its queues that carry the store: one sync covers the transfer
+    assert [[(q.name, seq_of(e)) for q, e in messages] for _, messages in held] == [
+        [("a", 1), ("c", 1)], [("a", 2), ("c", 2)]]
+    release(harness, store, tokens(held))
+    assert p.incomplete(ids) == ids  # the other holder has not let go
+    release(harness, other, tokens(other.take()))
+    assert not p.incomplete(ids)
+
+
+def test_removing_the_holder_completes_what_it_held(harness: Harness):
+    p = harness.connect().session()
+    p.declare_queue("q")
+    p.declare_queue("r", STOP_AT_2)
+    store = harness.broker.add_holder("store")
+    harness.broker.queues["q"].add_holder(store)
+    harness.broker.queues["r"].add_holder(store)
+    on_q = send(harness, p, "q", 2)
+    on_r = send(harness, p, "r", 3)  # the third is held by r's flow control as well
+    held = store.take()
+    harness.broker.remove_holder(store)
+    harness.run()
+    assert not p.incomplete(on_q) and p.incomplete(on_r) == on_r[2:]
+    assert store.removed and store.take() == [] and harness.broker.queues["q"].holders == ()
+    store.release(tokens(held))  # after removal: nothing to do, nothing refused
+    after = send(harness, p, "q", 1)
+    assert not p.incomplete(after)  # no queue carries it now
+    with pytest.raises(ValueError, match="holder 'store' was removed already"):
+        harness.broker.remove_holder(store)
+    with pytest.raises(ValueError, match="queue 'q': holder 'store' was removed"):
+        harness.broker.queues["q"].add_holder(store)
+
+
+def test_a_session_that_closes_while_held(harness: Harness):
+    producer, other = harness.connect(), harness.connect()
+    p, o = producer.session("p"), other.session("o")
+    p.declare_queue("q")
+    store = harness.broker.add_holder("store")
+    harness.broker.queues["q"].add_holder(store)
+    send(harness, p, "q", 2)
+    kept = send(harness, o, "q", 1)
+    held = store.take()
+    broker = harness.broker
+    slots = {ssn.name: slot for slot, ssn in broker.sessions.items()}
+    p.command(P.DETACH)  # the producer goes away while the store holds its transfers
+    harness.run()
+    assert slots["p"] not in broker.sessions
+    assert broker.acct.stats(store.slot)[4] == 1  # the closed session's holds are forgotten
+    assert broker.queues["q"].count == 3  # its messages stay
+    completed = []
+    apply = broker.flow.apply
+    broker.flow.apply = lambda: completed.extend(apply()) or completed
+    release(harness, store, tokens(held))  # the closed session's tokens are stale: ignored
+    assert not o.incomplete(kept)
+    assert [c[0] for c in completed] == [slots["o"]]  # nothing for the closed session
+
+
+def test_a_queue_that_stops_carrying_a_holder(harness: Harness):
+    p = harness.connect().session()
+    p.declare_queue("q")
+    store = harness.broker.add_holder("store")
+    q = harness.broker.queues["q"]
+    q.add_holder(store)
+    q.add_holder(store)  # once is enough
+    assert q.holders == (store,) and q.special
+    held = send(harness, p, "q", 1)
+    q.remove_holder(store)
+    assert q.holders == () and not q.special
+    free = send(harness, p, "q", 1)
+    assert p.incomplete(held + free) == held  # what it holds stays held until released
+    release(harness, store, tokens(store.take()))
+    assert not p.incomplete(held)
+
+
+def test_a_ring_queue_with_a_holder_still_trims(harness: Harness):
+    p = harness.connect().session()
+    p.declare_queue("r", {"qpid.max_count": 2, "qpid.policy_type": "ring"})
+    store = harness.broker.add_holder("store")
+    harness.broker.queues["r"].add_holder(store)
+    ids = send(harness, p, "r", 4)
+    r = harness.broker.queues["r"]
+    assert (r.count, r.discards_ring) == (2, 2) and p.incomplete(ids) == ids
+    release(harness, store, tokens(store.take()))
+    assert not p.incomplete(ids)
+
+
+def test_a_queue_without_holders_logs_what_it_did(harness: Harness):
+    """The path without holders is unchanged: one OP_TRANSFER1 per transfer to one plain queue, and a
+    fanout's transfer is OP_TRANSFER, its enqueues, OP_END; with a holder, OP_HOLD comes before OP_END."""
+    broker = harness.broker
+    p = harness.connect().session()
+    for name in ("a", "b"):
+        p.declare_queue(name)
+        p.call(P.EXCHANGE_BIND, "amq.fanout", name, "")
+    ssn = next(iter(broker.sessions.values()))
+    codes = []
+    apply = broker.flow.apply
+
+    def spy():
+        codes.extend(int.from_bytes(broker.flow.log[i:i + 8], "little", signed=True)
+                      for i in range(0, len(broker.flow.log), 40))
+        return apply()
+
+    broker.flow.apply = spy
+    broker.transfer(ssn, ssn.commands.next_id, "", "a", None, b"x")
+    broker.transfer(ssn, ssn.commands.next_id + 1, "amq.fanout", "", None, b"x")
+    broker.flush()
+    assert codes[:5] == [OP_TRANSFER1, OP_TRANSFER, OP_ENQUEUE, OP_ENQUEUE, OP_END]
+    assert not broker.queues["a"].special
+    broker.queues["b"].add_holder(broker.add_holder("store"))
+    codes.clear()
+    broker.transfer(ssn, ssn.commands.next_id + 2, "amq.fanout", "", None, b"x")
+    broker.flush()
+    assert codes[:5] == [OP_TRANSFER, OP_ENQUEUE, OP_ENQUEUE, OP_HOLD, OP_END]
+
+
+def test_a_release_names_what_is_not_a_token(harness: Harness):
+    store = harness.broker.add_holder("store")
+    with pytest.raises(ValueError, match=r"holder 'store': 1\.5 is not a hold token"):
+        store.release([1.5])
+    with pytest.raises(ValueError, match=f"holder 'store': {1 << 64} is not a hold token"):
+        store.release([1 << 64])
+
+
+def reported(ssn) -> list[int]:
+    """The command ids the broker has reported complete to ``ssn`` since the last call."""
+    ids = []
+    for frame in msgpack.Unpacker(io.BytesIO(ssn.out.take()), raw=False):
+        if frame[0] == P.COMPLETED:
+            ids += RangeSet.from_wire(frame[2])
+    return ids
+
+
+def test_wake_is_called_once_per_apply_that_gave_the_holder_holds():
+    """Without the harness: the broker's calls as a connection and a store make them."""
+    broker = Broker()
+    ssn = broker.open_session(0, "s")
+    q, _ = broker.declare_queue("q")
+    woken = []
+    store = broker.add_holder("store", wake=lambda: woken.append(len(store.arrived)))
+    q.add_holder(store)
+    for cid in range(3):
+        broker.transfer(ssn, cid, "", "q", None, b"m")
+    broker.flush()
+    assert woken == [3] and reported(ssn) == []  # woken once, with all three waiting
+    broker.transfer(ssn, 3, "", "nowhere", None, b"m")
+    broker.flush()
+    assert woken == [3] and reported(ssn) == [3]  # no queue, no holder
+    held = store.take()
+    store.release([held[1][0]])
+    assert reported(ssn) == []  # a release is an op in the log: nothing until the next apply
+    broker.flush()
+    assert reported(ssn) == [1]
+    broker.remove_holder(store)
+    assert reported(ssn) == [0, 2] and woken == [3]
