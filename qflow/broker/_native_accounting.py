@@ -54,10 +54,7 @@ class NativeAccounting:
 
     # -- queues -------------------------------------------------------------
     def add_queue(self) -> int:
-        slot = lib.acct_add_queue(self._st)
-        if slot < 0:
-            raise MemoryError("cannot grow the queue table")
-        return slot
+        return self._new_slot(lib.acct_add_queue)
 
     def remove_queue(self, queue: int) -> list[Completion]:
         self._check(lib.acct_remove_queue(self._st, _slot(queue)), queue)
@@ -65,7 +62,11 @@ class NativeAccounting:
 
     # -- outside holders ----------------------------------------------------
     def add_holder(self) -> int:
-        slot = lib.acct_add_holder(self._st)
+        return self._new_slot(lib.acct_add_holder)
+
+    def _new_slot(self, add: Any) -> int:
+        """A queue's or holder's new slot (they share one table)."""
+        slot = add(self._st)
         if slot < 0:
             raise MemoryError("cannot grow the queue table")
         return slot

@@ -124,16 +124,11 @@ class _Queue:
     )
 
     def __init__(self) -> None:
-        self.count = 0
-        self.nbytes = 0
-        self.stop_count = 0
-        self.resume_count = 0
-        self.stop_size = 0
-        self.resume_size = 0
+        self.count = self.nbytes = 0
+        self.stop_count = self.resume_count = self.stop_size = self.resume_size = 0
         self.flow_on = False
-        self.stopped_count = 0
+        self.stopped_count = self.generation = 0
         self.pending: list[int] = []  # transfer slots, -1 where released
-        self.generation = 0
         self.held = 0  # live entries in pending
 
     def over_stop(self) -> bool:
