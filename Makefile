@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 5672
 
-.PHONY: run test test-repeat install lint bench bench-smoke bench-compare clean
+.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,14 @@ bench-smoke: $(STAMP)
 bench-compare: $(STAMP)
 	$(PY) -m pip install --quiet 'pika>=1.3' 'aio-pika>=9' 'amqp>=5.2'
 	$(PY) bench/compare $(COMPARE_ARGS)
+
+# The durable store's engine candidates side by side, no broker (bench/store_engines.py, docs/store.md).
+# lmdb and crc32c (the extra store-bench) go into the venv for this benchmark only.
+# Options: make bench-store STORE_ARGS=--quick (seconds); the figures in docs/store.md: STORE_ARGS='--reps 5 --probe'
+STORE_ARGS ?= --probe
+bench-store: $(STAMP)
+	$(PY) -m pip install --quiet 'lmdb>=1.4' 'crc32c>=2.3'
+	$(PY) bench/store_engines.py $(STORE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so qflow/_transfers_native*.so
