@@ -137,16 +137,16 @@ class Sender:
                    headers: dict[str, Any] | None = None) -> None:
         """Send one message; waits while ``capacity`` transfers are incomplete.
         Raises the broker's error for an earlier transfer that it refused."""
-        if (self.incomplete >= self.capacity or self.errors or self.session.error or self._interval
-                or type(body) is not bytes):
-            body = await self._ready(body)
-        if (routing_key is None and message_id is None and correlation_id is None and content_type is None
-                and not durable and not headers):
-            prefix = self._prefix if len(body) == self._prefix_size else self._plain_prefix(len(body))
-        else:
-            head = self._head_for(routing_key, _properties(message_id, correlation_id, content_type, durable,
-                                                            headers))
-            prefix = self._plain_prefix(len(body)) if head is None else head + bin_header(len(body))
+        incomplete = self.incomplete
+        if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
+                or routing_key is not None or message_id is not None or correlation_id is not None
+                or content_type is not None or durable or headers or type(body) is not bytes
+                or len(body) != self._prefix_size):
+            body, prefix = await self._prepare(body, routing_key, _properties(message_id, correlation_id,
+                                                                              content_type, durable, headers))
+            incomplete = self.incomplete
+        else:  # the per-message path: a plain transfer whose body is the size of the last, from cached bytes
+            prefix = self._prefix
         # The one place a single transfer is numbered and written (send_many's runs do the same per run):
         # OutgoingCommands.send, inlined, because a call per message here costs the producer a few percent.
         commands = self._commands
@@ -161,7 +161,7 @@ class Sender:
             self._conn._wake.set()
         parts.append(prefix)
         parts.append(body)
-        incomplete = self.incomplete + 1
+        incomplete += 1
         self.incomplete = incomplete
         if incomplete > self.max_incomplete:
             self.max_incomplete = incomplete
@@ -171,16 +171,21 @@ class Sender:
             self._unyielded = 0
             await trio.lowlevel.checkpoint()
 
-    async def _ready(self, body: bytes | str) -> bytes:
+    async def _prepare(self, body: bytes | str, routing_key: str | None,
+                       props: dict[str, Any] | None) -> tuple[bytes, bytes]:
         """send's preliminaries, when there are any: raise a refusal, wait
-        for room in the window, keep the rate; the body as bytes."""
+        for room in the window, keep the rate; the body as bytes, and the
+        transfer's bytes before it."""
         if self.errors or self.session.error:
             self._raise_errors()
         if self.incomplete >= self.capacity:
             await self._wait_for_space()
         if self._interval:
             self._next_send = await pace(self._next_send, self._interval)
-        return body if type(body) is bytes else _to_bytes(body)
+        if type(body) is not bytes:
+            body = _to_bytes(body)
+        head = self._head_for(routing_key, props)
+        return body, self._plain_prefix(len(body)) if head is None else head + bin_header(len(body))
 
     async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
                         message_id: str | None = None, correlation_id: str | None = None,
