@@ -34,7 +34,7 @@ typedef struct qf_run {
 typedef struct qf_stored {
     size_t count;
     size_t consumed;
-    uint64_t body_bytes;
+    uint64_t nbytes;
     size_t entry_bytes;
 } qf_stored;
 
@@ -48,7 +48,7 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, s
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops);
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
-int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len);
+int64_t qf_entries_size(const uint8_t *buf, size_t len);
 """
 
 ffibuilder = FFI()

@@ -161,6 +161,15 @@ size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
     return n;
 }
 
+/* A message's size (transfers.h) from the length of its fields as stored
+ * (exchange through body) and its body's length. The bin header msgpack needs
+ * is what is left out, not the one the sender wrote: then the frame-by-frame
+ * path need not look at the header's bytes, only at the two lengths. */
+static uint64_t message_size(uint64_t tail_len, uint64_t body_len)
+{
+    return tail_len - (body_len < 0x100 ? 2 : body_len < 0x10000 ? 3 : 5);
+}
+
 static void put_be64(uint8_t *p, uint64_t v)
 {
     for (int i = 7; i >= 0; i--) {
@@ -176,14 +185,15 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
 {
     const uint8_t *end = buf + len;
     const uint8_t *p = buf + pos;
-    uint64_t bytes = 0, size;
+    uint64_t bytes = 0, body, size;
     size_t e = 0, i;
     for (i = 0; i < count; i++) {
-        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &size);
+        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &body);
         size_t tail;
         if (frame_end == NULL)  /* not a scanned run */
             break;
         tail = (size_t)(frame_end - p) - 3;
+        size = message_size(tail, body);
         if (size > max_bytes - bytes || QF_ENTRY_HEAD + tail > entries_cap - e)
             break;
         entries[e] = 0xc2;
@@ -205,7 +215,7 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
     }
     out->count = i;
     out->consumed = (size_t)(p - (buf + pos));
-    out->body_bytes = bytes;
+    out->nbytes = bytes;
     out->entry_bytes = e;
 }
 
@@ -215,11 +225,12 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, s
 {
     const uint8_t *end = buf + len;
     const uint8_t *p = buf + pos;
-    uint64_t size;
+    uint64_t body, size;
     for (size_t i = 0; i < count; i++) {
-        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &size);
+        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &body);
         if (frame_end == NULL)  /* not a scanned run: the caller stored fewer */
             return;
+        size = message_size((uint64_t)(frame_end - p) - 3, body);
         ops[0] = QF_OP_TRANSFER;
         ops[1] = session;
         ops[2] = first_command + (int64_t)i;
@@ -246,15 +257,16 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, s
 }
 
 /* The end of the stored entry at p (see qf_scan_entries), setting its body's
- * size, or NULL when it is malformed or runs past end. */
-static const uint8_t *entry_end(const uint8_t *p, const uint8_t *end, const uint8_t *buf, uint64_t *body_size)
+ * length and its size (the head's, checked), or NULL when it is malformed or
+ * runs past end. */
+static const uint8_t *entry_end(const uint8_t *p, const uint8_t *end, const uint8_t *buf, uint64_t *body_len,
+                                uint64_t *size)
 {
     const uint8_t *q, *body_end;
-    uint64_t size;
     size_t off, n;
     if (end - p < QF_ENTRY_HEAD || (p[0] != 0xc2 && p[0] != 0xc3) || p[1] != 0xcf || p[10] != 0xcf)
         return NULL;
-    size = be(p + 11, 8);
+    *size = be(p + 11, 8);
     q = p + QF_ENTRY_HEAD;
     if (!take_str(&q, end, buf, &off, &n) || !take_str(&q, end, buf, &off, &n))
         return NULL;
@@ -269,8 +281,8 @@ static const uint8_t *entry_end(const uint8_t *p, const uint8_t *end, const uint
             return NULL;
         q += m;
     }
-    body_end = take_body(q, end, body_size);
-    if (body_end == NULL || *body_size != size)
+    body_end = take_body(q, end, body_len);
+    if (body_end == NULL || message_size((uint64_t)(body_end - (p + QF_ENTRY_HEAD)), *body_len) != *size)
         return NULL;
     return body_end;
 }
@@ -281,12 +293,12 @@ int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *o
     const uint8_t *p = buf;
     size_t i;
     for (i = 0; i < count; i++) {
-        uint64_t body_size;
-        const uint8_t *next = entry_end(p, end, buf, &body_size);
+        uint64_t body_len, size;
+        const uint8_t *next = entry_end(p, end, buf, &body_len, &size);
         if (next == NULL)
             return -(int64_t)(i + 1);
         offsets[2 * i] = (int64_t)(p - buf);
-        offsets[2 * i + 1] = (int64_t)(next - body_size - buf);
+        offsets[2 * i + 1] = (int64_t)(next - body_len - buf);
         p = next;
     }
     if (p != end)
@@ -295,17 +307,17 @@ int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *o
     return (int64_t)count;
 }
 
-int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len)
+int64_t qf_entries_size(const uint8_t *buf, size_t len)
 {
     const uint8_t *end = buf + len;
     const uint8_t *p = buf;
     uint64_t total = 0;
     while (p < end) {
-        uint64_t body_size;
-        p = entry_end(p, end, buf, &body_size);
+        uint64_t body_len, size;
+        p = entry_end(p, end, buf, &body_len, &size);
         if (p == NULL)
             return -1;
-        total += body_size;
+        total += size;
     }
     return (int64_t)total;
 }

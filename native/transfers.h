@@ -12,14 +12,21 @@
  * the body as msgpack bin; every frame of a run has the same bytes from the
  * channel through the properties (the run's *key*). Anything else ends a run,
  * and the Python decoder takes the frame: it decodes, checks and reports
- * errors for every frame, so nothing here needs to. */
+ * errors for every frame, so nothing here needs to.
+ *
+ * A message's *size* (docs/protocol.md, "Message size") is what its queue's
+ * byte depth, byte limits and flow thresholds and a consumer's byte credit
+ * count: its exchange, routing key, properties and body as the transfer
+ * encoded them (the frame's bytes after its code and channel), less the bin
+ * header msgpack needs for the body's length (2, 3 or 5 bytes). The frame-by-frame path
+ * (qflow.protocol.entries.message_size) counts the same. */
 #ifndef QFLOW_TRANSFERS_H
 #define QFLOW_TRANSFERS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#define QF_ENTRY_HEAD 19   /* redelivered flag, 0xcf + sequence, 0xcf + body size */
+#define QF_ENTRY_HEAD 19   /* redelivered flag, 0xcf + sequence, 0xcf + message size */
 #define QF_OP_WORDS 5
 #define QF_OP_TRANSFER 1   /* the accounting's op codes (qflow/broker/ops.py) */
 #define QF_OP_ENQUEUE 2
@@ -40,7 +47,7 @@ typedef struct qf_run {
 typedef struct qf_stored {
     size_t count;          /* frames stored */
     size_t consumed;       /* bytes of the buffer they span, from pos */
-    uint64_t body_bytes;   /* their bodies' total size */
+    uint64_t nbytes;       /* their messages' total size */
     size_t entry_bytes;    /* bytes written to entries */
 } qf_stored;
 
@@ -51,11 +58,11 @@ size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
                          qf_run *run);
 
 /* Store the first frames of a run scanned at pos, stopping before the one
- * that would take the bodies past max_bytes or the entries past entries_cap:
- * for frame i, the queue entry (the 19-byte head for sequence first_seq + i,
- * then the frame from the exchange on) goes into entries, ending at
- * entry_ends[i], and the op (OP_TRANSFER1, session, first_command + i, queue,
- * body size) into ops. */
+ * that would take the messages' sizes past max_bytes or the entries past
+ * entries_cap: for frame i, the queue entry (the 19-byte head for sequence
+ * first_seq + i and the message's size, then the frame from the exchange on)
+ * goes into entries, ending at entry_ends[i], and the op (OP_TRANSFER1,
+ * session, first_command + i, queue, size) into ops. */
 void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, uint64_t max_bytes,
                         uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
                         uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
@@ -63,9 +70,9 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
 
 /* The ops of the first count frames of a run scanned at pos going to several
  * queues (a fanout), or to queues with outside holders: for each, OP_TRANSFER
- * (session, first_command + i), one OP_ENQUEUE (queue, body size) per queue,
- * one OP_HOLD (holder) per holder, OP_END; (2 + nq + nh) * QF_OP_WORDS words
- * per frame. The entries come from qf_store_transfers, once per queue. */
+ * (session, first_command + i), one OP_ENQUEUE (queue, size) per queue, one
+ * OP_HOLD (holder) per holder, OP_END; (2 + nq + nh) * QF_OP_WORDS words per
+ * frame. The entries come from qf_store_transfers, once per queue. */
 void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops);
@@ -73,15 +80,15 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, s
 /* The other way: a message.deliver-run frame (docs/protocol.md) carries
  * ``count`` queue entries back to back, each the 19-byte head above, then
  * exchange and routing key (str), properties (nil or a map) and the body
- * (bin, as long as the head's size says). Checks that buf[0, len) is exactly
+ * (bin), the head's size being the message's size. Checks that buf[0, len) is exactly
  * that and writes offsets[2i] = where entry i starts, offsets[2i + 1] = where
  * its body's bytes start, and offsets[2 count] = len (so entry i's body ends
  * at offsets[2i + 2]). Returns count, or -(i + 1) when entry i is malformed
  * (i = count: bytes are left over). The client's per-message path. */
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
 
-/* The total body size of the entries back to back in buf[0, len), -1 if
- * they are not well formed: the broker's dequeue of many at once. */
-int64_t qf_entries_body_bytes(const uint8_t *buf, size_t len);
+/* The total size of the entries back to back in buf[0, len), -1 if they
+ * are not well formed: the broker's dequeue of many at once. */
+int64_t qf_entries_size(const uint8_t *buf, size_t len);
 
 #endif

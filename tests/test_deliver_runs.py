@@ -30,8 +30,17 @@ pack = msgpack.Packer(use_bin_type=True).pack
 
 def entry(seq: int, body: bytes, redelivered: bool = False, exchange: str = "", key: str = "q",
           props: dict | None = None) -> bytes:
-    return (ENTRY_HEAD.pack(0xC3 if redelivered else 0xC2, 0xCF, seq, 0xCF, len(body))
-            + pack(exchange) + pack(key) + pack(props) + pack(body))
+    fields = pack(exchange) + pack(key) + pack(props)
+    # The head's size is the message's: the fields as encoded plus the body's length.
+    return ENTRY_HEAD.pack(0xC3 if redelivered else 0xC2, 0xCF, seq, 0xCF, len(fields) + len(body)) + fields + pack(body)
+
+
+def raw_entry(fields: bytes, body: bytes, size: int) -> bytes:
+    """An entry of fields and a body already encoded (the body's header included)."""
+    return ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, size) + fields + body
+
+
+PLAIN = pack("") + pack("q") + pack(None)  # 1 + 2 + 1 bytes: a message of "abc" is 7
 
 
 # -- the scanners --------------------------------------------------------------------------------------------
@@ -47,24 +56,34 @@ def test_scan_gives_where_entries_and_bodies_start():
     assert E.scan_entries_native(blob, 3) == expected
 
 
+def test_an_entry_size_is_its_bytes_less_the_bin_header_msgpack_needs():
+    """A wider encoding than needed counts its extra bytes: a str8 routing key its
+    2 header bytes (5 bytes of fields, not 4), a 3-byte body behind a bin16 header
+    one byte more than the bin8 that msgpack needs."""
+    wide_body = raw_entry(PLAIN, b"\xc5\x00\x03abc", 4 + 3 + 1)
+    wide_key = raw_entry(pack("") + b"\xd9\x01q" + pack(None), pack(b"abc"), 5 + 3)
+    for blob in (wide_body, wide_key):
+        for scan in (scan_entries_python, E.scan_entries_native):
+            assert scan(blob, 1) == [0, len(blob) - 3, len(blob)]
+        assert E.total_size_python([blob]) == E.total_size_native([blob]) == E.seq_and_size(blob)[1]
+
+
 @pytest.mark.parametrize("blob, count, why", [
     (entry(1, b"abc")[:-1], 1, "body cut short"),
     (entry(1, b"abc") + b"\x00", 1, "a byte left over"),
     (entry(1, b"abc"), 2, "fewer entries than the frame says"),
     (b"\xc0" + entry(1, b"abc")[1:], 1, "redelivered is not a boolean"),
-    (ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 4) + pack("") + pack("q") + pack(None) + pack(b"abc"), 1,
-     "body size differs from the head's"),
-    (ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 3) + pack(b"") + pack("q") + pack(None) + pack(b"abc"), 1,
-     "exchange is bin, not str"),
-    (ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 3) + pack("") + pack("q") + pack([1]) + pack(b"abc"), 1,
-     "properties are an array"),
-    (ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 3) + pack("") + pack("q") + pack(None) + pack("abc"), 1,
-     "body is str, not bin"),
-    (ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 3) + pack("") + pack("q") + b"\x81\xc1\x00" + pack(b"abc"), 1,
+    (raw_entry(PLAIN, pack(b"abc"), 8), 1, "size 8, one more than the message's 7"),
+    (raw_entry(PLAIN, pack(b"abc"), 3), 1, "size 3: the body's length alone"),
+    (raw_entry(PLAIN, pack(b"abc"), 9), 1, "size 9: the bin header counted"),
+    (raw_entry(pack(b"") + pack("q") + pack(None), pack(b"abc"), 8), 1, "exchange is bin, not str"),
+    (raw_entry(pack("") + pack("q") + pack([1]), pack(b"abc"), 8), 1, "properties are an array"),
+    (raw_entry(PLAIN, pack("abc"), 7), 1, "body is str, not bin"),
+    (raw_entry(pack("") + pack("q") + b"\x81\xc1\x00", pack(b"abc"), 9), 1,
      "properties hold the never-used byte 0xc1"),
     # Found by test_native_and_python_scanners_agree under load: Unpacker.skip() let a nested ext through.
-    (ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 3) + pack("") + pack("q") + b"\x81\xa1k\xd6\x01\x00\x00\x00\x00"
-     + pack(b"abc"), 1, "properties hold an ext (fixext 4), nested in the map"),
+    (raw_entry(pack("") + pack("q") + b"\x81\xa1k\xd6\x01\x00\x00\x00\x00", pack(b"abc"), 15), 1,
+     "properties hold an ext (fixext 4), nested in the map"),
 ])
 def test_scan_refuses_a_malformed_blob(blob, count, why):
     for scan in (scan_entries_python, E.scan_entries_native):
@@ -310,7 +329,11 @@ def test_a_message_reads_its_fields_from_the_run():
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(entry_st, max_size=8))
-def test_body_bytes_native_and_python_agree(entries):
-    """The broker's dequeue of many entries counts their bodies' bytes in C."""
-    expected = sum(len(e) - scan_entries_python(e, 1)[1] for e in entries)  # a body runs to its entry's end
-    assert E.body_bytes_native(entries) == E.body_bytes_python(entries) == expected
+def test_total_size_native_and_python_agree(entries):
+    """The broker's dequeue of many entries counts their sizes in C: each the
+    exchange, routing key and properties as msgpack encodes them plus the body."""
+    expected = 0
+    for e in entries:
+        exchange, key, props, body = E.entry_tail(e)
+        expected += len(pack(exchange) + pack(key) + pack(props)) + len(body)
+    assert E.total_size_native(entries) == E.total_size_python(entries) == expected

@@ -299,20 +299,23 @@ async def test_max_count_reject(ssn):
 
 
 async def test_max_size_reject(ssn):
+    """qpid.max_size counts message sizes: to "lim.size" on the default exchange
+    with no properties, 11 bytes ("" 1, "lim.size" 9, nil 1) plus the body."""
     with trio.fail_after(TIMEOUT):
         await ssn.declare_queue("lim.size", arguments={"qpid.max_size": 100, **NO_FLOW})
         sender = ssn.sender("lim.size", capacity=10)
-        await sender.send(b"x" * 60)
+        await sender.send(b"x" * 60)  # 71 bytes
         await sender.sync()
-        await sender.send(b"y" * 50)
+        await sender.send(b"y" * 19)  # 30 more: 101 > 100
         with pytest.raises(ResourceLimitExceeded) as err:
             await sender.sync()
         assert "'lim.size'" in err.value.text
         stats = await ssn.query_queue("lim.size")
-        assert (stats["msgDepth"], stats["byteDepth"], stats["discardsOverflow"]) == (1, 60, 1)
-        await sender.send(b"z" * 40)  # exactly at the limit
+        assert (stats["msgDepth"], stats["byteDepth"], stats["discardsOverflow"]) == (1, 71, 1)
+        await sender.send(b"z" * 18)  # 29 more: exactly at the limit
         await sender.sync()
-        assert await drain(ssn, "lim.size") == [b"x" * 60, b"z" * 40]
+        assert (await ssn.query_queue("lim.size"))["byteDepth"] == 100
+        assert await drain(ssn, "lim.size") == [b"x" * 60, b"z" * 18]
 
 
 async def test_reject_on_fanout_enqueues_nowhere(ssn):
@@ -533,17 +536,18 @@ async def test_queue_statistics_purge_and_delete(ssn):
         assert (await ssn.declare_queue("stats"))["created"] is False
         stats = await ssn.query_queue("stats")
         assert [stats[k] for k in ("msgDepth", "byteDepth", "consumerCount", "bindingCount")] == [0, 0, 0, 1]
+        # Each message's size is 8 bytes ("" 1, "stats" 6, nil 1) plus its body: 18, 28, 38.
         await send_all(ssn, "stats", [b"x" * 10, b"y" * 20, b"z" * 30])
         await ssn.bind("amq.direct", "stats", "s")
         receiver = await ssn.receiver("stats", accept="none", capacity=1)
         assert (await receiver.fetch()).body == b"x" * 10
         await ssn.sync()
         stats = await ssn.query_queue("stats")
-        expected = {"msgDepth": 2, "byteDepth": 50, "msgTotalEnqueues": 3, "msgTotalDequeues": 1,
-                    "byteTotalEnqueues": 60, "byteTotalDequeues": 10, "consumerCount": 1, "bindingCount": 2}
+        expected = {"msgDepth": 2, "byteDepth": 66, "msgTotalEnqueues": 3, "msgTotalDequeues": 1,
+                    "byteTotalEnqueues": 84, "byteTotalDequeues": 18, "consumerCount": 1, "bindingCount": 2}
         # Credit 1 given back on fetch: the next one may be delivered (dequeued) by now.
         if stats["msgDepth"] == 1:
-            expected.update(msgDepth=1, byteDepth=30, msgTotalDequeues=2, byteTotalDequeues=30)
+            expected.update(msgDepth=1, byteDepth=38, msgTotalDequeues=2, byteTotalDequeues=46)
         assert {k: stats[k] for k in expected} == expected
 
         with pytest.raises(PreconditionFailed):
@@ -561,7 +565,7 @@ async def test_queue_statistics_purge_and_delete(ssn):
         assert (await ssn.purge_queue("stats"))["messages"] == left
         stats = await ssn.query_queue("stats")
         assert (stats["msgDepth"], stats["byteDepth"], stats["msgTotalDequeues"]) == (0, 0, 3)
-        assert (stats["byteTotalEnqueues"], stats["byteTotalDequeues"]) == (60, 60)
+        assert (stats["byteTotalEnqueues"], stats["byteTotalDequeues"]) == (84, 84)
         await send_all(ssn, "stats", [b"last"])
         with pytest.raises(PreconditionFailed):
             await ssn.delete_queue("stats", if_empty=True, if_unused=True)

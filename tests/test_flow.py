@@ -88,24 +88,31 @@ async def test_manual_count_example_900_500_of_1000(running, ssn, nursery):
 
 
 async def test_manual_combined_example_4000_messages_8k_bytes(running, ssn):
-    """Stop at 4000 messages or 8K bytes (either), resume below 3000 AND 6K (both)."""
+    """Stop at 4000 messages or 8K bytes (either), resume below 3000 AND 6K (both).
+
+    Bytes are message sizes (docs/protocol.md): a message to "by-size" on the default
+    exchange with no properties is 10 bytes ("" 1, "by-size" 8, nil 1) plus its body,
+    one to "by-count" 12 with a one-byte body ("by-count" is 9). With the header
+    counted, as qpidd counts it since QPID-5199, 4001 messages can never fit in 8K
+    bytes, so the count alone is shown against ten times the manual's bytes."""
     args = {"qpid.max_count": 5000, "qpid.max_size": 10240, "qpid.flow_stop_count": 4000,
             "qpid.flow_resume_count": 3000, "qpid.flow_stop_size": 8192, "qpid.flow_resume_size": 6144}
-    await ssn.declare_queue("by-count", arguments=args)
+    await ssn.declare_queue("by-count", arguments={**args, "qpid.max_size": 102400, "qpid.flow_stop_size": 81920,
+                                                   "qpid.flow_resume_size": 61440})
     await ssn.declare_queue("by-size", arguments=args)
     sender = ssn.sender("by-count", capacity=10)
 
-    # ON by count alone: 4001 one-byte messages are only 4001 bytes.
+    # ON by count alone: 4001 messages of 12 bytes are only 48012 bytes.
     for _ in range(4000):
         await sender.send(b"x")
     await sender.sync()
     assert (await stats(ssn, "by-count"))["flowStopped"] is False
     await sender.send(b"x")
-    await wait_for(lambda: sender.incomplete == 0 and False or sender.session.held_by)
+    await wait_for(lambda: sender.session.held_by)
     s = await stats(ssn, "by-count")
-    assert (s["msgDepth"], s["byteDepth"], s["flowStopped"]) == (4001, 4001, True)
+    assert (s["msgDepth"], s["byteDepth"], s["flowStopped"]) == (4001, 4001 * 12, True)
 
-    # ON by bytes alone: 9 messages of 1000 bytes are 9000 > 8192 bytes.
+    # ON by bytes alone: 8 messages of 1010 bytes are 8080, not above 8192; the 9th makes 9090.
     big = ssn.sender("by-size", capacity=10)
     for _ in range(8):
         await big.send(b"b" * 1000)
@@ -114,25 +121,24 @@ async def test_manual_combined_example_4000_messages_8k_bytes(running, ssn):
     await big.send(b"b" * 1000)
     await wait_for(lambda: big.incomplete == 1 and "by-size" in big.session.held_by)
     s = await stats(ssn, "by-size")
-    assert (s["msgDepth"], s["byteDepth"], s["flowStopped"]) == (9, 9000, True)
+    assert (s["msgDepth"], s["byteDepth"], s["flowStopped"]) == (9, 9090, True)
 
-    # OFF only when both are below: count below 3000 is not enough while bytes are not below 6K.
+    # OFF only when both are below.
     rssn = await ssn.conn.session()
     receiver = await rssn.receiver("by-count", capacity=500, accept="auto")
-    await drain(receiver, 1002)  # 4001 -> 2999 messages, 2999 bytes: both below
+    await drain(receiver, 1002)  # 4001 -> 2999 messages, 35988 bytes: both below
     await wait_for(lambda: sender.incomplete == 0)
     s = await stats(ssn, "by-count")
     assert (s["msgDepth"], s["flowStopped"], s["flowStoppedCount"]) == (2999, False, 1)
 
-    # by-size: make the count high too, then drain bytes below 6K while count stays >= 3000? The
-    # queue has only 9 messages, so drain 3: 6000 bytes is not < 6144? It is: check 2 first.
+    # by-size: the count (9) is far below 3000, but the bytes must come below 6144 too.
     r2 = await rssn.receiver("by-size", capacity=1, accept="explicit")
-    for _ in range(2):  # 9000 -> 7000 bytes: still ON
+    for _ in range(2):  # 9090 -> 7070 bytes: still ON
         (await r2.fetch(timeout=20)).accept()
     await rssn.sync()
     assert (await stats(ssn, "by-size"))["flowStopped"] is True
     assert big.incomplete == 1
-    (await r2.fetch(timeout=20)).accept()  # 6000 < 6144 and 6 < 3000: OFF
+    (await r2.fetch(timeout=20)).accept()  # 6060 < 6144 and 6 < 3000: OFF
     with trio.fail_after(20):
         await big.sync()
     assert (await stats(ssn, "by-size"))["flowStopped"] is False
@@ -145,15 +151,15 @@ async def test_both_resume_thresholds_must_be_satisfied(running, ssn):
                                             "qpid.max_size": 0})
     sender = ssn.sender("q", capacity=100)
     for _ in range(3):
-        await sender.send(b"x" * 400)  # 3 messages, 1200 bytes: ON by size
+        await sender.send(b"x" * 400)  # 3 messages of 404 bytes ("" 1, "q" 2, nil 1, body 400): ON by size
     await wait_for(lambda: sender.session.held_by)
     rssn = await ssn.conn.session()
     receiver = await rssn.receiver("q", capacity=1, accept="explicit")
-    (await receiver.fetch(timeout=20)).accept()  # 2 messages (< 5), 800 bytes (not < 500): still ON
+    (await receiver.fetch(timeout=20)).accept()  # 2 messages (< 5), 808 bytes (not < 500): still ON
     await rssn.sync()
     s = await stats(ssn, "q")
-    assert (s["msgDepth"], s["byteDepth"], s["flowStopped"]) == (2, 800, True)
-    (await receiver.fetch(timeout=20)).accept()  # 1 message, 400 bytes: OFF
+    assert (s["msgDepth"], s["byteDepth"], s["flowStopped"]) == (2, 808, True)
+    (await receiver.fetch(timeout=20)).accept()  # 1 message, 404 bytes: OFF
     with trio.fail_after(20):
         await sender.sync()
     assert (await stats(ssn, "q"))["flowStopped"] is False
@@ -286,12 +292,13 @@ async def test_default_queue_limit_gives_every_queue_default_flow_control(nurser
         s = await stats(ssn, "q")
         assert (s["maxSize"], s["flowStopSize"], s["flowResumeSize"]) == (1000, 800, 700)
         sender = ssn.sender("q", capacity=2)
+        body = b"x" * 96  # a message of 100 bytes: "" 1, "q" 2, nil 1 and the body
         for _ in range(8):
-            await sender.send(b"x" * 100)
+            await sender.send(body)
         await sender.sync()
-        await sender.send(b"x" * 100)  # 900 > 800: held
+        await sender.send(body)  # 900 > 800: held
         await wait_for(lambda: ssn.held_by)
-        await sender.send(b"x" * 100)  # 1000: still fits the 1000-byte maximum
+        await sender.send(body)  # 1000: still fits the 1000-byte maximum
         await wait_for(lambda: sender.incomplete == 2)
         assert (await stats(ssn, "q"))["byteDepth"] == 1000
 
@@ -437,7 +444,8 @@ async def test_flow_transitions_are_logged_with_threshold_and_depth(running, ssn
     assert 'queue "orders": flow stopped (count 4 > 3)' in lines
     # The size unit takes part in resuming too: qpidd pre-fills its resume from the 100 MB default limit
     # (the old rule, where any flow key dropped the defaults, logged "(count 1 < 2)" alone).
-    assert 'queue "orders": flow resumed (count 1 < 2, bytes 1 < 73400320)' in lines
+    # One message left: 10 bytes ("" 1, "orders" 7, nil 1, body 1).
+    assert 'queue "orders": flow resumed (count 1 < 2, bytes 10 < 73400320)' in lines
     assert len(lines) == 2  # never per message
 
 

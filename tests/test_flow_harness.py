@@ -61,14 +61,15 @@ def test_combined_example_either_stops_both_must_resume(harness: Harness):
     p.declare_queue("q", {"qpid.max_count": 5000, "qpid.max_size": 10240, "qpid.flow_stop_count": 4000,
                           "qpid.flow_resume_count": 3000, "qpid.flow_stop_size": 8192,
                           "qpid.flow_resume_size": 6144})
-    send(harness, p, "q", 8, body=b"k" * 1024)  # 8 messages, 8192 bytes: not above 8K
+    # A message's size is 4 bytes ("" 1, "q" 2, nil properties 1) plus its body's length.
+    send(harness, p, "q", 8, body=b"k" * 1020)  # 8 messages of 1024: 8192 bytes, not above 8K
     assert not stopped(p, "q")
-    held = send(harness, p, "q", 1, body=b"b")  # 8193 bytes: the size threshold is crossed
+    held = send(harness, p, "q", 1, body=b"")  # 8196 bytes: an empty body crosses the size threshold
     assert stopped(p, "q") and p.incomplete(held) == held
     c = harness.connect().session()
-    drain(harness, c, "q", 2)  # 7 messages (< 3000) but 6145 bytes: not below 6K yet
+    drain(harness, c, "q", 2)  # 7 messages (< 3000) but 6148 bytes: not below 6K yet
     assert stopped(p, "q")
-    drain(harness, c, "q", 1)  # 5121 bytes
+    drain(harness, c, "q", 1)  # 5124 bytes
     assert not stopped(p, "q") and not p.incomplete(held)
 
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.transfer_runs import TransferRuns  # built by make install, as the accounting is
+from qflow.protocol import entries as E
 from qflow.protocol.framing import PROTOCOL_HEADER, READ_SIZE
 from qflow.server import pump as server
 from qflow.server.pump import ConnectionPump
@@ -145,7 +146,8 @@ def test_a_run_is_cut_where_the_queue_is_full():
     frames.pop("scanned_runs")
     assert runs == frames
     entries, count, nbytes, next_seq, discards, *_ = runs["queues"]["b"]
-    assert (count, nbytes, next_seq, discards) == (3, 30, 4, 2)
+    # A message's size: exchange "" (1 byte), routing key "b" (2), nil properties (1) and the body (10).
+    assert (count, nbytes, next_seq, discards) == (3, 3 * 14, 4, 2)
     assert [e[19:] for e in entries] == [_transfer(0, "", "b", None, body)[3:]] * 3
 
 
@@ -206,3 +208,94 @@ def test_a_run_to_a_fanout_is_taken_whole():
     store, disk = runs["holders"]["store"][0], runs["holders"]["disk"][0]
     assert len(store) == len(disk) == 12
     assert [q for q, _ in store[0][1]] == ["a", "h"] and [q for q, _ in disk[0][1]] == ["a"]
+
+
+# -- a message's size: the same from a run (C) and frame by frame (Python) ------------------------------------
+
+
+def _str(text: str, wide: bool) -> bytes:
+    """msgpack str; ``wide``: as str8 even where a fixstr would do (valid, one byte more)."""
+    raw = text.encode()
+    return b"\xd9" + bytes((len(raw),)) + raw if wide and len(raw) < 0x100 else pack(text)
+
+
+def _bin(body: bytes, width: int) -> bytes:
+    """msgpack bin behind a header of at least ``width`` bytes of length (1, 2 or 4)."""
+    width = max(width, 1 if len(body) < 0x100 else 2 if len(body) < 0x10000 else 4)
+    return bytes((0xC4 + width.bit_length() - 1,)) + len(body).to_bytes(width, "big") + body
+
+
+header_value = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=20),
+                         st.floats(allow_nan=False), st.binary(max_size=20), st.lists(st.integers(-1000, 1000), max_size=3))
+properties_st = st.one_of(st.none(), st.fixed_dictionaries({}, optional={
+    "message_id": st.text(max_size=40), "correlation_id": st.text(max_size=10), "content_type": st.text(max_size=10),
+    "durable": st.booleans(), "headers": st.dictionaries(st.text(max_size=10), header_value, max_size=4)}))
+body_st = st.one_of(st.binary(max_size=300), st.sampled_from([b"", b"b" * 255, b"b" * 256, b"b" * 65535,
+                                                              b"b" * 65536]))
+
+
+def _stored_sizes(runs: bool, exchange: str, key: str, frames: bytes) -> tuple[list[int], int, int, int]:
+    """Feed ``frames`` (transfers to ``exchange`` with ``key``, bound to queue "q") to a
+    broker: (its entries' sizes, the queue's byte depth, the accounting's, runs taken)."""
+
+    async def go() -> tuple[list[int], int, int, int]:
+        broker = Broker(transfer_runs=runs)
+        if runs:
+            broker.runs = _CountingRuns(broker.runs)
+        conn = ConnectionPump(broker, 1 << 20, 0.0)
+        setup = [[P.OPEN, {"mechanism": "ANONYMOUS"}], [P.ATTACH, 0, "p"],
+                 [P.QUEUE_DECLARE, 0, "q", False, False, False, {}, False]]
+        if exchange:
+            setup += [[P.EXCHANGE_DECLARE, 0, exchange, "direct", False, False], [P.EXCHANGE_BIND, 0, exchange, "q", key]]
+        _feed(conn, PROTOCOL_HEADER + b"".join(pack(f) for f in setup))
+        _feed(conn, frames)
+        written = conn.encoder.take()
+        assert P.EXCEPTION not in [f[0] for f in _frames(written)], written
+        q = broker.queues["q"]
+        return ([E.seq_and_size(e)[1] for e in q.entries], q.nbytes, broker.acct.stats(q.slot)[1],
+                broker.runs.found if runs else 0)
+
+    return trio.run(go)
+
+
+def _frames(data: bytes) -> list:
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(data)
+    return list(unpacker)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.just(""), st.text(min_size=1, max_size=30).filter(lambda s: not s.startswith("amq."))),
+       st.text(max_size=300), properties_st, body_st, st.booleans(), st.sampled_from([1, 2, 4]),
+       st.integers(1, 3))
+def test_a_message_has_the_same_size_in_a_run_and_frame_by_frame(exchange, key, props, body, wide, width, n):
+    """The rule, for any exchange, routing key, properties and body, encoded as
+    msgpack-python does or wider (str8 for short strings, bin16/bin32 for short
+    bodies): the size is the bytes of exchange, routing key, properties and body
+    as sent, less the bin header msgpack needs for the body (so, as msgpack
+    writes them, the fields' bytes plus the body's length), in every entry's
+    head, the queue's byte depth and the accounting's, whether C takes the
+    transfers as a run or Python one frame at a time."""
+    if not exchange:
+        key = "q"  # the default exchange routes by queue name
+    fields = _str(exchange, wide) + _str(key, wide) + (b"\xc0" if props is None else pack(props))
+    encoded_body = _bin(body, width)
+    frame = b"\x96\x1e\x00" + fields + encoded_body
+    size = len(fields) + len(encoded_body) - (len(_bin(body, 1)) - len(body))  # less the minimal header
+    if not wide and width == 1:
+        assert size == len(fields) + len(body)
+    sizes, nbytes, acct_bytes, taken = _stored_sizes(True, exchange, key, frame * n)
+    assert taken >= 1  # C took the run
+    assert (sizes, nbytes, acct_bytes) == ([size] * n, size * n, size * n)
+    assert _stored_sizes(False, exchange, key, frame * n)[:3] == (sizes, nbytes, acct_bytes)
+
+
+def test_a_transfer_with_another_head_is_stored_re_encoded_and_sized_so():
+    """A transfer whose array is an array16 (valid msgpack, not the usual head) is
+    stored as msgpack re-encodes it, since its bytes after [30, channel] cannot be
+    cut out as they are: its size counts the re-encoded fields (fixstr "" 1, fixstr
+    "q" 2, nil 1), not the wider ones sent (str8 "" 2, str8 "q" 3, nil 1)."""
+    fields = _str("", True) + _str("q", True) + b"\xc0"
+    frame = b"\xdc\x00\x06\x1e\x00" + fields + _bin(b"abc", 2)
+    for runs in (True, False):
+        assert _stored_sizes(runs, "", "q", frame * 2)[:3] == ([4 + 3] * 2, 14, 14)

@@ -128,7 +128,8 @@ class Broker:
                  properties: dict | None, body: bytes, tail: bytes | None = None) -> None:
         """Route and enqueue one message. ``tail`` is the message's encoding as
         it arrived (exchange, routing key, properties, body), if the connection
-        had it at hand; otherwise it is encoded here."""
+        had it at hand; otherwise it is encoded here. The message's size is
+        counted from ``tail``, as a run's is from the same bytes in C."""
         if properties is not None:
             P.check_properties(properties)
         if exchange == "":  # the default exchange, inline: this is the per-message path
@@ -136,16 +137,19 @@ class Broker:
             queues = q.route if q is not None else ()
         else:
             queues = self.route(exchange, routing_key, properties)
-        size = len(body)
         if not queues:
             ssn.commands.complete(command_id)
             self._dirty_sessions[ssn] = None
             return
+        if tail is None:
+            tail = encode_tail(exchange, routing_key, properties, body)
+        # The message's size (qflow.protocol.entries.message_size), inline: a call per
+        # message would cost more than the sum.
+        n = len(body)
+        size = len(tail) - (2 if n < 0x100 else 3 if n < 0x10000 else 5)
         for q in queues:
             if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
                 self._refuse_when_full(q)
-        if tail is None:
-            tail = encode_tail(exchange, routing_key, properties, body)
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
         if len(queues) == 1:

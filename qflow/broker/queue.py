@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from qflow.broker.flow import QueueSettings
 from qflow.broker.flow_limit import FlowLimit, pack_op
 from qflow.broker.ops import OP_DEQUEUE, OP_DEQUEUE_N, OP_ENQUEUE, OP_TRANSFER1
-from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, body_bytes, seq_and_size, seq_of
+from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, seq_and_size, seq_of, total_size
 
 if TYPE_CHECKING:
     from qflow.broker.flow_limit import FlowControl, Holder
@@ -122,8 +122,8 @@ class Queue:
 
     # -- enqueue and dequeue, announced -----------------------------------------
     def enqueue(self, tail: bytes, size: int, session: int = -1, command_id: int = 0) -> int:
-        """Append one message (``tail``: its encoding after an entry's head, see
-        qflow.protocol.entries; ``size``: its body's) and announce it; returns its
+        """Append one message (``tail``: its encoding after an entry's head, and
+        ``size``: its size, see qflow.protocol.entries) and announce it; returns its
         sequence number. With a ``session``, the op is also the whole transfer
         ``command_id`` of that session (one destination: OP_TRANSFER1); without,
         it belongs to the transfer the caller has opened in the log. A ring
@@ -170,7 +170,7 @@ class Queue:
         holds are released), the rest announced as one OP_DEQUEUE_N."""
         tokens = self.flow.tokens
         if not tokens:  # the usual case: no transfer held here
-            n, nbytes = len(entries), body_bytes(entries)
+            n, nbytes = len(entries), total_size(entries)
         else:
             n = nbytes = 0
             for e in entries:

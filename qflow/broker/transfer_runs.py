@@ -53,8 +53,9 @@ class TransferRuns:
     def store(self, buf: bytes, pos: int, count: int, max_bytes: int, first_seq: int, session: int,
               first_command: int, queue: int) -> tuple[int, int, int, list[bytes], Any]:
         """Store up to ``count`` frames of the run scanned at ``pos`` while their
-        bodies fit in ``max_bytes``: (frames stored, bytes of ``buf`` they
-        span, their body bytes, their queue entries, their ops' bytes)."""
+        messages' sizes (qflow.protocol.entries) fit in ``max_bytes``: (frames
+        stored, bytes of ``buf`` they span, their total size, their queue
+        entries, their ops' bytes)."""
         out = self._stored
         _store(_from_buffer(buf), len(buf), pos, self.run.key_len, count, min(max_bytes, U64_MAX), first_seq,
                session, first_command, queue, self._entries, ENTRY_BYTES, self._ends, self._ops, out)
@@ -69,7 +70,7 @@ class TransferRuns:
         ends = _unpack(self._ends, n)
         starts = [0, *ends]
         starts.pop()
-        return n, out.consumed, out.body_bytes, [blob[a:b] for a, b in zip(starts, ends, strict=True)], \
+        return n, out.consumed, out.nbytes, [blob[a:b] for a, b in zip(starts, ends, strict=True)], \
             _buffer(self._ops, n * 8 * lib.QF_OP_WORDS)
 
     def fanout_ops(self, buf: bytes, pos: int, count: int, session: int, first_command: int,

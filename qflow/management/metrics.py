@@ -16,7 +16,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 QUEUE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("qflow_queue_depth_messages", "gauge", "Messages on the queue, delivered-unacknowledged included (msgDepth).",
      "msgDepth"),
-    ("qflow_queue_depth_bytes", "gauge", "Bytes of message bodies on the queue (byteDepth).", "byteDepth"),
+    ("qflow_queue_depth_bytes", "gauge", "Bytes of the messages on the queue, headers and bodies (byteDepth).", "byteDepth"),
     ("qflow_queue_flow_stopped", "gauge", "1 while the queue's producer flow control is active (flowStopped).",
      "flowStopped"),
     ("qflow_queue_flow_stops_total", "counter", "Times flow control became active (flowStoppedCount).",

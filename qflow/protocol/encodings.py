@@ -85,7 +85,9 @@ def entry_of_deliver(frame: list[Any]) -> tuple[int, bytes]:
     (qflow.protocol.entries): a broker that sends one delivery per frame is
     read as one that sends runs of one. Raises ValueError (or TypeError) for
     a frame with the wrong fields."""
-    _, _, _, did, redelivered, seq, size, exchange, key, props, body = frame
-    entry = (ENTRY_HEAD.pack(REDELIVERED_YES if redelivered else REDELIVERED_NO, 0xCF, seq, 0xCF, size)
-             + _packb(exchange) + _packb(key) + _packb(props) + _packb(body))
-    return did, entry
+    _, _, _, did, redelivered, seq, _size, exchange, key, props, body = frame
+    fields = _packb(exchange) + _packb(key) + _packb(props)
+    # The entry's size is counted from the fields as encoded again here: the
+    # frame's size counts them as the sender encoded them, maybe wider.
+    head = ENTRY_HEAD.pack(REDELIVERED_YES if redelivered else REDELIVERED_NO, 0xCF, seq, 0xCF, len(fields) + len(body))
+    return did, head + fields + _packb(body)

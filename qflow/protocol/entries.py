@@ -8,8 +8,16 @@ and a body, and the garbage collector never scans it. Its fixed head:
 
   byte 0        0xc2 / 0xc3    redelivered (msgpack false / true)
   bytes 1-9     0xcf + u64     sequence number in the queue
-  bytes 10-18   0xcf + u64     body size
+  bytes 10-18   0xcf + u64     the message's size (below)
   bytes 19-     exchange, routing key (str), properties (nil or map), body (bin)
+
+A message's size is what byte depth, byte limits, flow thresholds and byte
+credit count (docs/protocol.md, "Message size"): its exchange, routing key,
+properties and body as encoded here, less the bin header msgpack needs for
+the body (so, as msgpack writes them, the fields' bytes plus the body's
+length). A message with an empty body still has a size, as in qpidd since
+QPID-5199 (its 0-10 header frame counts). :func:`message_size` computes it
+for the broker's frame-by-frame path; native/transfers.c for runs.
 
 A message.deliver-run frame carries entries back to back; :func:`scan_entries`
 checks such a blob and says where each entry and its body start, so the
@@ -29,6 +37,14 @@ ENTRY_HEAD_SIZE = ENTRY_HEAD.size
 REDELIVERED_NO, REDELIVERED_YES = 0xC2, 0xC3
 seq_and_size = Struct(">2xQxQ").unpack_from  # (seq, size) of an entry
 _SEQ = Struct(">2xQ").unpack_from
+
+
+def message_size(tail_len: int, body_len: int) -> int:
+    """The size of a message whose encoding after an entry's head is
+    ``tail_len`` bytes long and whose body is ``body_len``. The bin header left
+    out is the one msgpack needs, not the one the sender wrote, so the two
+    lengths are enough: no byte of the message is looked at."""
+    return tail_len - (2 if body_len < 0x100 else 3 if body_len < 0x10000 else 5)
 
 
 def seq_of(entry: Entry) -> int:
@@ -95,8 +111,10 @@ def scan_entries_python(blob: bytes, count: int) -> list[int]:
             raise EntryError(f"entry {i} of {count}: {type(exc).__name__}: {exc}") from None
         stop = unpacker.tell()
         body_len = stop - pos - (1 << (blob[pos] - 0xC4)) - 1
-        if body_len != size:
-            raise EntryError(f"entry {i} of {count}: body of {body_len} bytes, head says {size}")
+        actual = message_size(stop - start - ENTRY_HEAD_SIZE, body_len)
+        if actual != size:
+            raise EntryError(f"entry {i} of {count}: head says size {size}, but the message's is {actual} "
+                             f"({stop - start - ENTRY_HEAD_SIZE} bytes of fields and a body of {body_len})")
         offsets += (start, stop - body_len)
     if unpacker.tell() != end:
         raise EntryError(f"{end - unpacker.tell()} bytes after the last of {count} entries")
@@ -104,8 +122,8 @@ def scan_entries_python(blob: bytes, count: int) -> list[int]:
     return offsets
 
 
-def body_bytes_python(entries: list[Entry]) -> int:
-    """The total body size of ``entries``."""
+def total_size_python(entries: list[Entry]) -> int:
+    """The total size of ``entries`` (their heads' sizes)."""
     return sum(seq_and_size(e)[1] for e in entries)
 
 
@@ -114,7 +132,7 @@ def _native() -> Any:
         from qflow._transfers_native import ffi, lib
     except ImportError:
         return None, None
-    scan, sizes, new, from_buffer, unpack = lib.qf_scan_entries, lib.qf_entries_body_bytes, ffi.new, \
+    scan, sizes, new, from_buffer, unpack = lib.qf_scan_entries, lib.qf_entries_size, ffi.new, \
         ffi.from_buffer, ffi.unpack
     join = b"".join
 
@@ -129,20 +147,20 @@ def _native() -> Any:
             raise EntryError(f"entry {i} of {count} is malformed")
         return unpack(offsets, 2 * count + 1)
 
-    def body_bytes_native(entries: list[Entry]) -> int:
-        """``qf_entries_body_bytes``; as :func:`body_bytes_python`."""
+    def total_size_native(entries: list[Entry]) -> int:
+        """``qf_entries_size``; as :func:`total_size_python`."""
         blob = join(entries)
         total = sizes(from_buffer(blob), len(blob))
         if total < 0:
             raise EntryError("not well-formed entries")
         return total
 
-    return scan_entries_native, body_bytes_native
+    return scan_entries_native, total_size_native
 
 
-scan_entries_native, body_bytes_native = _native()
+scan_entries_native, total_size_native = _native()
 scan_entries = scan_entries_native or scan_entries_python
-body_bytes = body_bytes_native or body_bytes_python
+total_size = total_size_native or total_size_python
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=False)
