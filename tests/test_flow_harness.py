@@ -6,10 +6,15 @@ tests/test_flow.py runs the same rules over real sockets."""
 
 from __future__ import annotations
 
+import time
+
+import msgpack
 import pytest
 
 from qflow import protocol as P
+from qflow.broker import Broker
 from qflow.broker.flow import FlowDefaults
+from qflow.management.views import queue_view, session_view
 from qflow.testing import Harness, MemorySession
 
 
@@ -176,3 +181,108 @@ def test_release_notices_go_out_in_the_order_the_sessions_were_held(harness: Har
     sessions[0].call(P.QUEUE_MODIFY, "q", {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0})  # flow off
     released = [ch for ch, _, on in client.flow_notices if not on]
     assert held == released == [sessions[i].channel for i in order]
+
+
+# -- which sessions are held, and by which queue (issue 13) ------------------------------------------------------
+
+
+def held_view(h: Harness, ssn: MemorySession) -> list[str]:
+    """The queues that hold ``ssn`` as management shows them (/api/connections, qflow-stat -c)."""
+    view = session_view(h.broker, ssn.client.pump.sessions[ssn.channel], time.time())
+    assert view["flowStopped"] == bool(view["heldBy"])
+    return [held["queue"] for held in view["heldBy"]]
+
+
+def notices(ssn: MemorySession) -> list[tuple[str, bool]]:
+    return [(queue, held) for channel, queue, held in ssn.client.flow_notices if channel == ssn.channel]
+
+
+def test_a_session_leaves_the_held_view_when_its_held_transfer_is_released_on_its_own(harness: Harness):
+    """"A session appears as held (in /api/connections, qflow-stat -c and the client's
+    held_by) only while it still has a transfer held. Once its held transfer is
+    released on its own (its message was consumed while the flow stayed on), it
+    leaves the view." Stop above 2, resume below 1: A's third message and B's one are
+    held; consuming the first three lets A's go while the flow stays on for B's."""
+    a, b = harness.connect("A").session(), harness.connect("B").session()
+    a.declare_queue("q", {"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1})
+    send(harness, a, "q", 2)
+    a_held, b_held = send(harness, a, "q", 1), send(harness, b, "q", 1)
+    assert a.held_by == b.held_by == {"q"} and held_view(harness, a) == held_view(harness, b) == ["q"]
+    assert queue_view(harness.broker, harness.broker.queues["q"])["heldSessionCount"] == 2
+
+    c = harness.connect().session()
+    drain(harness, c, "q", 3)  # 1 left: not below 1, the flow stays on; A's held message was among the 3
+    assert stopped(a, "q") and not a.incomplete(a_held) and b.incomplete(b_held) == b_held
+    assert a.held_by == set() and held_view(harness, a) == [] and notices(a) == [("q", True), ("q", False)]
+    assert b.held_by == {"q"} and held_view(harness, b) == ["q"] and notices(b) == [("q", True)]
+    assert queue_view(harness.broker, harness.broker.queues["q"])["heldSessionCount"] == 1
+
+    drain(harness, c, "q", 1)  # 0 < 1: the flow turns off and lets B go too
+    assert not stopped(a, "q") and not b.incomplete(b_held)
+    assert b.held_by == set() and held_view(harness, b) == [] and notices(b) == [("q", True), ("q", False)]
+    assert notices(a) == [("q", True), ("q", False)]  # told once, not again at the resume
+
+
+def test_a_session_stays_held_while_any_of_its_transfers_is(harness: Harness):
+    """A has two held transfers: the first consumed, it is still held by the second."""
+    a, b = harness.connect("A").session(), harness.connect("B").session()
+    a.declare_queue("q", {"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1})
+    send(harness, a, "q", 2)
+    a_held, b_held = send(harness, a, "q", 2), send(harness, b, "q", 1)
+    c = harness.connect().session()
+    drain(harness, c, "q", 3)
+    assert a.incomplete(a_held) == a_held[1:] and a.held_by == {"q"} and held_view(harness, a) == ["q"]
+    assert notices(a) == [("q", True)]
+    drain(harness, c, "q", 1)  # A's last held one; B's keeps the flow on
+    assert stopped(a, "q") and not a.incomplete(a_held) and b.incomplete(b_held) == b_held
+    assert a.held_by == set() and held_view(harness, a) == [] and notices(a) == [("q", True), ("q", False)]
+
+
+def test_held_again_after_leaving_the_view_and_after_a_resume(harness: Harness):
+    """The view follows each hold: A leaves it while the flow is on, is held again by
+    its next transfer (the flow is still on), and, after a resume and a new stop, is
+    held and let go the same way (the holds of the new stop are told apart from the
+    old ones: tests the broker's tokens after a resume)."""
+    a, b = harness.connect("A").session(), harness.connect("B").session()
+    a.declare_queue("q", {"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1})
+    send(harness, a, "q", 2)
+    send(harness, a, "q", 1)
+    send(harness, b, "q", 1)
+    c = harness.connect().session()
+    drain(harness, c, "q", 3)
+    assert a.held_by == set()
+    again = send(harness, a, "q", 1)  # flow still on: held at once
+    assert a.incomplete(again) == again and a.held_by == {"q"} and held_view(harness, a) == ["q"]
+    assert notices(a) == [("q", True), ("q", False), ("q", True)]
+    drain(harness, c, "q", 2)  # B's and A's: 0 left, the flow resumes
+    assert not stopped(a, "q") and a.held_by == b.held_by == set()
+    assert notices(a) == [("q", True), ("q", False)] * 2
+
+    send(harness, a, "q", 2)  # the second stop
+    second = send(harness, a, "q", 1)
+    b_second = send(harness, b, "q", 1)
+    assert a.held_by == b.held_by == {"q"} and a.query("q")["flowStoppedCount"] == 2
+    drain(harness, c, "q", 3)
+    assert not a.incomplete(second) and a.held_by == set() and held_view(harness, a) == []
+    assert b.incomplete(b_second) == b_second and b.held_by == {"q"} and held_view(harness, b) == ["q"]
+
+
+def test_a_transfer_held_and_let_go_in_one_batch_is_never_shown_held():
+    """docs/protocol.md: "A transfer held and let go within the same batch of input
+    gets neither [notice]". Driven through the broker's own calls: one batch in which
+    the second message stops the flow (and is held), then both are dequeued and the
+    flow resumes, before the batch ends; the session is told nothing and held by nothing."""
+    broker = Broker()
+    ssn = broker.open_session(0, "p")
+    q, _ = broker.declare_queue("q", arguments={"qpid.flow_stop_count": 1, "qpid.flow_resume_count": 1})
+    for body in (b"1", b"2"):
+        broker.transfer(ssn, ssn.commands.receive(), "", "q", None, body)
+    q.dequeue(q.entries.popleft())
+    q.dequeue(q.entries.popleft())
+    broker.flush()
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(ssn.out.take())
+    frames = list(unpacker)
+    assert [f[0] for f in frames] == [P.COMPLETED] and frames[0][2] == [0, 1]
+    assert q.flow.held_sessions == {} and q.flow.tokens == {} and ssn.held_since == {}
+    assert broker.queue_stats(q)["flowStoppedCount"] == 1

@@ -28,6 +28,15 @@ What comes back is applied here: each hold is remembered by the queue's
 to its outside holder, the sessions concerned are told
 (``session.flow-notice``: flow control's holds only), transitions are logged,
 and the completed command ranges go back to the broker.
+
+A session is *held by* a queue while that queue holds at least one of its
+transfers: it is told ``held`` when the first is held, and ``not held`` when
+the last is let go, on its own (its message dequeued while the flow stays
+on: :meth:`FlowLimit.release_token`) or with all the others (flow off, the
+queue deleted or given new thresholds: :meth:`FlowControl.released`). The
+management views and the client's ``held_by`` follow those notices. All of
+it is work per *held* message only: a queue holding nothing has no tokens,
+and its dequeues take none of these steps.
 """
 
 from __future__ import annotations
@@ -68,24 +77,43 @@ class FlowLimit:
     senders writing to it (for the manual's worst case). Its thresholds and
     ON/OFF state live in the accounting, under ``slot``."""
 
-    __slots__ = ("slot", "tokens", "held_sessions", "writers", "worst_warned")
+    __slots__ = ("slot", "tokens", "held_sessions", "generation", "unheld", "writers", "worst_warned")
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int, unheld: list[tuple[FlowLimit, Any]]) -> None:
         self.slot = slot
-        # seq -> the accounting's hold token, for messages whose transfer is held
-        # here: only while this queue's flow is stopped.
-        self.tokens: dict[int, int] = {}
-        # Sessions told their transfers are held here, in the order they were told: a dict,
-        # not a set, so the release notices go out in that order (a set's order follows
-        # object addresses, and differed from run to run).
-        self.held_sessions: dict[Any, None] = {}
+        # seq -> (the accounting's hold token, the session whose transfer it holds), for
+        # messages whose transfer is held here; emptied when the queue lets all go.
+        self.tokens: dict[int, tuple[int, Any]] = {}
+        # Session -> how many of its transfers are held here, in the order they were first
+        # held: a dict, not a set, so the release notices go out in that order (a set's order
+        # follows object addresses, and differed from run to run).
+        self.held_sessions: dict[Any, int] = {}
+        # The accounting's generation of this queue's holds (the high half of a token): it
+        # moves on each time the queue lets all go (FlowControl.released), as in the accounting.
+        self.generation = 0
+        self.unheld = unheld  # FlowControl.unheld, where a session no longer held here waits to be told
         self.writers: dict[Any, int] = {}  # session -> its announced sender capacity
         self.worst_warned = False
 
     def release_token(self, seq: int) -> int:
         """The hold token of message ``seq`` if its transfer is held here
-        (forgotten now: the message is being dequeued), else -1."""
-        return self.tokens.pop(seq, -1) if self.tokens else -1
+        (forgotten now: the message is being dequeued, and the accounting lets
+        it go with this token), else -1. A session whose last transfer held
+        here this was is queued to be told (FlowControl.apply)."""
+        if not self.tokens:  # the usual case: nothing held here
+            return -1
+        held = self.tokens.pop(seq, None)
+        if held is None:
+            return -1
+        token, ssn = held
+        n = self.held_sessions.get(ssn)
+        if n is not None:  # None: the session was dropped since
+            if n > 1:
+                self.held_sessions[ssn] = n - 1
+            else:
+                del self.held_sessions[ssn]
+                self.unheld.append((self, ssn))
+        return token
 
     def worst_case(self, settings: QueueSettings) -> int:
         """The manual's worst case: stop threshold plus the capacities of the
@@ -188,13 +216,16 @@ class FlowControl:
         self.holders: dict[int, Holder] = {}  # by accounting slot
         self.sessions: dict[int, BrokerSession] = {}  # by accounting slot
         self.dirty: dict[BrokerSession, None] = {}
+        # (flow limit, session) whose last transfer held by that queue was let go by a
+        # dequeue since the last apply (FlowLimit.release_token): told at the next apply.
+        self.unheld: list[tuple[FlowLimit, Any]] = []
 
     # -- queues ---------------------------------------------------------------
     def add_queue(self, settings: QueueSettings) -> FlowLimit:
         slot = self.acct.add_queue()
         self.acct.set_thresholds(slot, settings.stop_count, settings.resume_count, settings.stop_size,
                                  settings.resume_size)
-        return FlowLimit(slot)
+        return FlowLimit(slot, self.unheld)
 
     def attach(self, q: Queue) -> None:
         self.queues[q.flow.slot] = q
@@ -265,30 +296,51 @@ class FlowControl:
         ops, seqs = memoryview(self.log).cast("q"), self.log_seqs
         self.log = bytearray()
         self.log_seqs = []
+        if self.unheld:  # let go by dequeues in this log, before anything it holds anew
+            self._tell_unheld()
         try:
             completions, holds, transitions = self.acct.apply(ops)
         except AccountingError:
             log.exception("accounting refused an op: this is a broker bug")
             return []
+        # Transitions first: a resume in this log lets go every hold made before it, and
+        # moves its queue's generation on; a hold of an older generation is already let go.
+        self._transitions(transitions, None)
+        queues, sessions = self.queues, self.sessions
         woken: dict[Holder, None] = {}
         for op_index, token, session_slot, slot in holds:
-            q = self.queues.get(slot)
+            q = queues.get(slot)
             if q is None:  # an outside holder's hold (a slot is a queue's or a holder's)
                 holder = self.holders[slot]
                 holder.arrived.append((token, seqs[op_index]))
                 woken[holder] = None
                 continue
-            q.flow.tokens[seqs[op_index]] = token
-            ssn = self.sessions.get(session_slot)
-            if ssn is not None and ssn not in q.flow.held_sessions:
-                q.flow.held_sessions[ssn] = None
+            flow = q.flow
+            if token >> 32 != flow.generation:
+                continue
+            ssn = sessions.get(session_slot)
+            flow.tokens[seqs[op_index]] = (token, ssn)
+            if ssn is None:
+                continue
+            n = flow.held_sessions.get(ssn, 0)
+            flow.held_sessions[ssn] = n + 1
+            if not n:
                 ssn.held_since[q.name] = time.time()
                 ssn.out.flow_notice(q.name, True)
                 self.dirty[ssn] = None
-        self._transitions(transitions, None)
         for holder in woken:
             holder.wake()
         return completions
+
+    def _tell_unheld(self) -> None:
+        """Tell each session in ``unheld`` that its queue holds none of its transfers now."""
+        unheld = self.unheld.copy()
+        self.unheld.clear()  # in place: every FlowLimit appends to this list
+        for flow, ssn in unheld:
+            q = self.queues.get(flow.slot)
+            if q is None or q.flow is not flow or ssn.closed or ssn in flow.held_sessions:  # gone, or held again
+                continue
+            self._tell(ssn, q)
 
     def _transitions(self, transitions: list[Transition], settings: QueueSettings | None) -> None:
         for queue_slot, flow_on, count, nbytes in transitions:
@@ -298,12 +350,20 @@ class FlowControl:
                 self.released(q)
 
     def released(self, q: Queue) -> None:
-        """Tell the sessions held by ``q`` that it holds them no more."""
-        for ssn in q.flow.held_sessions:
-            ssn.held_since.pop(q.name, None)
-            ssn.out.flow_notice(q.name, False)
-            self.dirty[ssn] = None
-        q.flow.held_sessions.clear()
+        """``q`` let all its holds go: its tokens are stale (the accounting moved
+        on to a new generation), and the sessions it held are told."""
+        flow = q.flow
+        flow.generation = (flow.generation + 1) & 0x7FFFFFFF  # as the accounting's release_all
+        flow.tokens.clear()
+        for ssn in flow.held_sessions:
+            self._tell(ssn, q)
+        flow.held_sessions.clear()
+
+    def _tell(self, ssn: BrokerSession, q: Queue) -> None:
+        """``ssn`` is no longer held by ``q``."""
+        ssn.held_since.pop(q.name, None)
+        ssn.out.flow_notice(q.name, False)
+        self.dirty[ssn] = None
 
 
 def holders_of(queues: Sequence[Queue]) -> dict[Holder, list[int]]:
