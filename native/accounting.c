@@ -146,27 +146,44 @@ static int reserve_pending(struct queue *q)
     return 0;
 }
 
+/* Grows a table of `elem`-byte records and its stack of free indexes
+ * (`free_elem` bytes each) together, to hold at least one more than `used`
+ * and at most `limit`; 0 or -1. Both pointers are updated as each realloc
+ * succeeds, so a failure leaves them valid. */
+static int grow_table(void **table, size_t elem, void **free_stack, size_t free_elem, size_t *cap, size_t used,
+                      size_t limit)
+{
+    if (used >= limit)
+        return -1;
+    size_t n = grown(*cap, used + 1);
+    if (n > limit)
+        n = limit;
+    if (n > SIZE_MAX / elem || n > SIZE_MAX / free_elem)
+        return -1;
+    void *t = realloc(*table, n * elem);
+    if (!t)
+        return -1;
+    *table = t;
+    void *f = realloc(*free_stack, n * free_elem);
+    if (!f)
+        return -1; /* the bigger table is kept; cap still says the old size */
+    *free_stack = f;
+    *cap = n;
+    return 0;
+}
+
 /* Ensures a transfer slot can be taken without allocating. */
 static int reserve_transfer(acct_state *st)
 {
     if (st->nfree_transfers || st->ntransfers < st->cap_transfers)
         return 0;
     /* Pending lists store slots as int32. */
-    if (st->ntransfers >= (size_t)INT32_MAX)
-        return -1;
-    size_t n = grown(st->cap_transfers, st->ntransfers + 1);
-    if (n > (size_t)INT32_MAX)
-        n = (size_t)INT32_MAX;
-    struct transfer *t = realloc(st->transfers, n * sizeof *t);
-    if (!t)
-        return -1;
+    void *t = st->transfers, *f = st->free_transfers;
+    int r = grow_table(&t, sizeof(struct transfer), &f, sizeof(int32_t), &st->cap_transfers, st->ntransfers,
+                       (size_t)INT32_MAX);
     st->transfers = t;
-    int32_t *f = realloc(st->free_transfers, n * sizeof *f);
-    if (!f)
-        return -1; /* the bigger table is kept; cap still says the old size */
     st->free_transfers = f;
-    st->cap_transfers = n;
-    return 0;
+    return r;
 }
 
 /* Ensures an outside hold entry can be taken without allocating. */
@@ -175,23 +192,12 @@ static int reserve_outside(acct_state *st)
     if (st->nfree_outside || st->noutside < st->cap_outside)
         return 0;
     /* A token carries the index in 32 bits. */
-    if (st->noutside >= TOKEN_INDEX_LIMIT)
-        return -1;
-    size_t n = grown(st->cap_outside, st->noutside + 1);
-    if (n > TOKEN_INDEX_LIMIT)
-        n = TOKEN_INDEX_LIMIT;
-    if (n > SIZE_MAX / sizeof(struct outside_hold))
-        return -1;
-    struct outside_hold *o = realloc(st->outside, n * sizeof *o);
-    if (!o)
-        return -1;
+    void *o = st->outside, *f = st->free_outside;
+    int r = grow_table(&o, sizeof(struct outside_hold), &f, sizeof(uint32_t), &st->cap_outside, st->noutside,
+                       TOKEN_INDEX_LIMIT);
     st->outside = o;
-    uint32_t *f = realloc(st->free_outside, n * sizeof *f);
-    if (!f)
-        return -1; /* the bigger table is kept; cap still says the old size */
     st->free_outside = f;
-    st->cap_outside = n;
-    return 0;
+    return r;
 }
 
 /* -- outputs ------------------------------------------------------------- */
