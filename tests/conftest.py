@@ -74,3 +74,16 @@ def qflowd() -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
+
+
+async def wait_for(predicate, timeout: float = 30) -> None:
+    """Poll ``predicate`` (sync or async) until it is true; fails after ``timeout``
+    seconds, which is room for a slow machine, never a timing assertion."""
+    with trio.fail_after(timeout):
+        while True:
+            result = predicate()
+            if hasattr(result, "__await__"):
+                result = await result
+            if result:
+                return
+            await trio.sleep(0.01)

@@ -13,23 +13,11 @@ import trio
 
 import qflow
 from qflow.broker.flow import FlowDefaults
-from tests.conftest import start_broker
+from tests.conftest import start_broker, wait_for
 
 
 async def stats(ssn: qflow.Session, queue: str) -> dict:
     return await ssn.query_queue(queue)
-
-
-async def wait_for(predicate, timeout: float = 20) -> None:
-    """Poll ``predicate`` (sync or async) until it is true."""
-    with trio.fail_after(timeout):
-        while True:
-            result = predicate()
-            if hasattr(result, "__await__"):
-                result = await result
-            if result:
-                return
-            await trio.sleep(0.01)
 
 
 async def push_until_blocked(nursery: trio.Nursery, sender: qflow.Sender, limit: int = 100_000) -> None:

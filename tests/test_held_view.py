@@ -18,7 +18,7 @@ import trio
 
 import qflow
 from qflow.testing import Daemon
-from tests.conftest import start_qflowd
+from tests.conftest import start_qflowd, wait_for
 
 TIMEOUT = 30  # for anything to happen on a slow machine; never a timing assertion
 
@@ -30,12 +30,6 @@ def daemon() -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
-
-
-async def wait_for(predicate) -> None:
-    with trio.fail_after(TIMEOUT):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 def _get(d: Daemon, path: str):

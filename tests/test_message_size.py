@@ -20,7 +20,7 @@ import trio
 import qflow
 from qflow import protocol as P
 from qflow.testing import Daemon, Harness, MemorySession
-from tests.conftest import start_qflowd
+from tests.conftest import start_qflowd, wait_for
 
 TIMEOUT = 30  # for anything to happen on a slow machine; never a timing assertion
 
@@ -145,12 +145,6 @@ def limited() -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
-
-
-async def wait_for(predicate) -> None:
-    with trio.fail_after(TIMEOUT):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 async def consume(receiver: qflow.Receiver, n: int) -> None:
