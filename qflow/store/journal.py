@@ -249,8 +249,11 @@ class Journal:
             + sum(_SECTION.size + len(items) * _item_size(op) for op, items in batch.sections) + batch.tail_bytes
         record = _RECORD.size + payload
         cur = self._current
+        # Roll over when the record does not fit, and also when nothing at all is live and the current
+        # segment is over 1/8 full: then every segment dies with this commit, and the size falls to
+        # almost nothing after a drain instead of staying at up to a segment.
         if cur is None or (cur.size + record > self.segment_size and cur.size > _HEADER_RECORD_SIZE) \
-                or (cur.live == 0 and cur.size > self.segment_size // 8 and self._oldest() is cur):
+                or (cur.size > self.segment_size // 8 and not any(s.live for s in self._segments.values())):
             number = cur.number + 1 if cur is not None else self._next_number
             cur = self._current = self._segments[number] = _Segment(number)
             cur.size = _HEADER_RECORD_SIZE
@@ -262,6 +265,8 @@ class Journal:
         self._size += record
         live = self._live
         for queue, seqs in self._staged_members.items():
+            if not seqs:  # all dequeued or deleted before this take
+                continue
             lq = live[queue]
             for seq, entry in seqs.items():
                 lq[seq] = cur
