@@ -156,7 +156,8 @@ class Queue:
             self.ready[self] = None
 
     def dequeue(self, entry: Entry) -> None:
-        """Remove one message for good (accepted, purged, overwritten) and announce it."""
+        """Remove one message for good (accepted, purged, overwritten) and announce it
+        (to the flow limits and to the outside holders that watch dequeues)."""
         seq, size = seq_and_size(entry)
         self.count -= 1
         self.nbytes -= size
@@ -164,10 +165,19 @@ class Queue:
         self.byte_total_dequeues += size
         self.control.log += pack_op(OP_DEQUEUE, self.slot, size, self.flow.release_token(seq), 0)
         self.control.log_seqs.append(None)
+        if self.holders:
+            for holder in self.holders:
+                if holder.dequeued is not None:
+                    holder.dequeued(self, (entry,))
 
     def dequeue_many(self, entries: list[Entry]) -> None:
         """Dequeue several: those whose transfer is held here one by one (their
-        holds are released), the rest announced as one OP_DEQUEUE_N."""
+        holds are released), the rest announced as one OP_DEQUEUE_N; the outside
+        holders that watch dequeues are told of all of them at once."""
+        if self.holders:
+            for holder in self.holders:
+                if holder.dequeued is not None:
+                    holder.dequeued(self, entries)
         tokens = self.flow.tokens
         if not tokens:  # the usual case: no transfer held here
             n, nbytes = len(entries), body_bytes(entries)
@@ -175,8 +185,13 @@ class Queue:
             n = nbytes = 0
             for e in entries:
                 seq, size = seq_and_size(e)
-                if seq in tokens:
-                    self.dequeue(e)
+                if seq in tokens:  # as dequeue(), but the holders were told above
+                    self.count -= 1
+                    self.nbytes -= size
+                    self.total_dequeues += 1
+                    self.byte_total_dequeues += size
+                    self.control.log += pack_op(OP_DEQUEUE, self.slot, size, tokens.pop(seq), 0)
+                    self.control.log_seqs.append(None)
                 else:
                     n += 1
                     nbytes += size
