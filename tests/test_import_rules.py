@@ -31,7 +31,7 @@ ALLOWED = {
     "broker": {"broker", "protocol", NATIVE},
     "client": {"client", "protocol", NATIVE},
     "management": {"management", "broker", "protocol", "version"},
-    "server": {"server", "management", "broker", "protocol"},
+    "server": {"server", "management", "broker", "protocol", "store"},
     "store": {"store", "broker", "protocol", NATIVE},  # the durable store: no trio (the server runs its syncs)
     "testing": {"testing", "server", "management", "broker", "client", "protocol"},
     "spark": {"spark", "api", "client", "protocol"},

@@ -155,6 +155,7 @@ class Journal:
         self._name_index: dict[str, int] = {}
         self._current: _Segment | None = None
         self._in_flight = False
+        self._failed: str | None = None  # why the last write failed: no commit may follow it
         self._recovered = False
         self._size = 0  # bytes of the segment files that exist or are being written
         self._fd = -1  # the writer's: the current segment's file
@@ -204,14 +205,15 @@ class Journal:
             live[queue][seq] = None
             members.setdefault(queue, {})[seq] = entry
 
-    def dequeue(self, queue: str, seq: int) -> None:
-        """Stage the removal of message ``seq`` of ``queue`` (unknown ones are ignored:
-        a transient message, or one already gone)."""
+    def dequeue(self, queue: str, seq: int) -> bool:
+        """Stage the removal of message ``seq`` of ``queue``; False (and nothing
+        staged) if the journal does not hold it: a transient message, or one gone already."""
         segs = self._live.get(queue)
         if segs is None or seq not in segs:
-            return
+            return False
         self._forget(queue, seq, segs.pop(seq))
         self._section(OP_DEQUEUE).append((self._name(queue), seq))
+        return True
 
     def delete_queue(self, queue: str) -> None:
         """Stage the deletion of ``queue``: every message it has now is gone for good."""
@@ -240,6 +242,9 @@ class Journal:
         staged. The result goes to :meth:`write_and_sync`, then :meth:`committed`."""
         if self._in_flight:
             raise JournalError("take_staged() while a commit is in flight: call committed() first")
+        if self._failed is not None:
+            raise JournalError(f"a write failed ({self._failed}): records after a possibly partial one "
+                               "would be lost to recovery; recover() in a new Journal")
         self._carry_forward()
         batch = self._staged
         if not batch:
@@ -298,13 +303,20 @@ class Journal:
         """Write ``batch`` as one record and make it durable; then unlink the
         segments it killed. Blocking: run it off the event loop. Touches only
         the file side of the journal, never what the loop stages."""
-        if batch.new_segment:
-            self._open_segment(batch.segment)
-        payload = _encode(batch)
-        os.writev(self._fd, [_RECORD.pack(len(payload), zlib.crc32(payload)), payload])
-        os.fdatasync(self._fd)
-        if batch.new_segment:  # the new name counts only once the directory says so
-            _fsync_dir(self.directory)
+        try:
+            if batch.new_segment:
+                self._open_segment(batch.segment)
+            payload = _encode(batch)
+            head = _RECORD.pack(len(payload), zlib.crc32(payload))
+            written = os.writev(self._fd, [head, payload])
+            if written != len(head) + len(payload):
+                raise OSError(f"short write to segment {batch.segment}: {written} of {len(head) + len(payload)} bytes")
+            os.fdatasync(self._fd)
+            if batch.new_segment:  # the new name counts only once the directory says so
+                _fsync_dir(self.directory)
+        except BaseException as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
         if batch.unlink:
             for number in batch.unlink:
                 os.unlink(self._path(number))
