@@ -162,6 +162,45 @@ def test_a_ring_queue_overwriting_in_the_same_batch_stores_only_what_it_keeps(ha
     assert recovered(tmp_path) == {"ring": [8, 9]}
 
 
+def test_recovery_puts_messages_back_in_order_with_depth_and_flow_recomputed(harness, tmp_path):
+    p = harness.connect().session()
+    declare(p, "dq")
+    store = open_store(harness, tmp_path)
+    for i in range(5):
+        p.transfer("dq", b"m%d" % i, properties=DURABLE)
+    p.transfer("dq", b"transient")
+    harness.run()
+    store.commit_inline()
+    store.journal.close()
+
+    # A restart: a new broker, the durable queue declared (now with a stop threshold of 3), then the store.
+    h = Harness(transfer_runs=harness.broker.runs is not None)
+    p = h.connect().session()
+    p.call(P.QUEUE_DECLARE, "dq", True, False, False,
+           {"qpid.flow_stop_count": 3, "qpid.flow_resume_count": 2}, False)
+    journal = Journal(tmp_path)
+    store = MessageStore(h.broker, journal)
+    store.restore(journal.recover())
+    q = h.broker.queues["dq"]
+    assert (q.count, q.nbytes) == (5, 10)
+    assert h.broker.flow.stats(q)[:3] == (5, 10, True)  # above its stop threshold: flow on
+    cid = p.transfer("dq", b"new", properties=DURABLE)
+    h.run()
+    store.commit_inline()
+    h.run()
+    assert p.incomplete([cid]) == [cid]  # held by flow control now, not by the store
+    c = h.connect().session()
+    c.subscribe("dq", "d", accept=P.ACCEPT_EXPLICIT)
+    h.run()
+    assert [(d.sequence, d.redelivered, d.body) for d in c.deliveries] == [
+        *((i + 1, True, b"m%d" % i) for i in range(5)), (6, False, b"new")]
+    c.accept(c.deliveries[:5])
+    store.commit_inline()
+    h.run()
+    assert p.is_complete(cid)
+    assert recovered(tmp_path) == {"dq": [6]}
+
+
 async def test_the_committer_task_syncs_off_the_loop_and_completes_transfers(tmp_path):
     """The real trio task: persistent transfers complete once the worker
     thread's sync returned, and the journal has them; transient ones complete

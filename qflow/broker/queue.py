@@ -155,6 +155,29 @@ class Queue:
         if self.consumers or self.browsers:
             self.ready[self] = None
 
+    def restore(self, entries: list[Entry]) -> None:
+        """Put back messages recovered from the durable store, in sequence order,
+        before anything else is enqueued. Each is announced as an enqueue outside
+        any transfer: the flow limit counts it (a queue recovered above its stop
+        threshold starts with flow on) and nothing is held. Numbering goes on
+        after the last one, so a new message never takes a stored one's number."""
+        if self.next_seq != 1 or self.entries:
+            raise ValueError(f"queue {self.name!r}: restore() after messages were enqueued")
+        control = self.control
+        nbytes = 0
+        for entry in entries:
+            seq, size = seq_and_size(entry)
+            nbytes += size
+            control.log += pack_op(OP_ENQUEUE, self.slot, size, 0, 0)
+            control.log_seqs.append(seq)
+        self.entries.extend(entries)
+        self.count += len(entries)
+        self.nbytes += nbytes
+        if entries:
+            self.next_seq = seq_of(entries[-1]) + 1
+            if self.consumers or self.browsers:
+                self.ready[self] = None
+
     def dequeue(self, entry: Entry) -> None:
         """Remove one message for good (accepted, purged, overwritten) and announce it
         (to the flow limits and to the outside holders that watch dequeues)."""

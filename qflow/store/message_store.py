@@ -21,6 +21,7 @@ The cycle, all on the event loop except ``write_and_sync``::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from qflow.store.journal import Batch, Journal
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker
     from qflow.broker.queue import Queue
+
+log = logging.getLogger("qflow.store")
 
 
 def is_persistent(entry: Entry) -> bool:
@@ -75,6 +78,21 @@ class MessageStore:
         broker.on_queue_deleted.append(self._deleted)
         for q in list(broker.queues.values()):
             self.attach(q)
+
+    def restore(self, recovered: dict[str, list[Entry]]) -> None:
+        """Put the journal's recovered messages (``Journal.recover()``) back on
+        their queues, which must be declared already and empty, then apply: depth,
+        bytes and flow state are recomputed. Messages of a queue that is not
+        declared stay in the journal (a configuration error must not destroy
+        them) and are logged."""
+        for name, entries in recovered.items():
+            q = self.broker.queues.get(name)
+            if q is None or not q.durable:
+                log.error("store: %d recovered messages for queue %r, which is %s: kept in the journal, "
+                          "not delivered", len(entries), name, "not declared" if q is None else "not durable")
+                continue
+            q.restore(entries)
+        self.broker.flush()
 
     def attach(self, q: Queue) -> None:
         """Carry ``q``'s transfers if it is durable (called for every new queue)."""
