@@ -51,6 +51,10 @@ def test_is_persistent_reads_the_durable_property():
     assert not is_persistent(entry(None, b"durable"))  # the word in the body is not the property
     assert not is_persistent(entry({"headers": {"x": "durable"}}))
     assert not is_persistent(entry(None))
+    assert is_persistent(entry({"durable": True, "x": "y" * 300}, b"durable" * 10_000))  # str16 key, bin32 body
+    routing_key = "k" * 300  # a str16 routing key
+    long = ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 300) + encode_tail("e" * 40, routing_key, {"durable": True}, b"d" * 300)
+    assert is_persistent(long)
 
 
 def test_a_persistent_transfer_completes_only_after_its_commit(harness, tmp_path):
