@@ -436,3 +436,28 @@ def test_kill_9_in_the_middle_of_commits_loses_nothing_acknowledged(tmp_path):
     # The kill may land after a commit it had no time to acknowledge (the page cache outlives the process).
     assert acked <= last <= acked + 7
     assert got_seqs == list(range(last - 19, last + 1))
+
+
+def test_a_bad_record_in_an_older_segment_sets_the_later_segments_aside(tmp_path):
+    seg = 1024
+    j, _ = opened(tmp_path, segment_size=seg)
+    for s in range(1, 101):
+        j.enqueue("q", entry(s, b"v" * 40))
+        if s % 5 == 0:
+            j.commit()
+    j.close()
+    names = sorted(p.name for p in tmp_path.glob("*" + SUFFIX))
+    assert len(names) >= 4
+    second = tmp_path / names[1]
+    first_batch_end = 24 + (second.stat().st_size - 24) // 2
+    _corrupt_at(second, first_batch_end)
+    j, got = opened(tmp_path, segment_size=seg)
+    kept = seqs(got)["q"]
+    assert kept == list(range(1, len(kept) + 1)) and 5 < len(kept) < 100  # a prefix: the first segment and more
+    assert sorted(p.name for p in (tmp_path / "dropped").iterdir() if p.name.endswith(SUFFIX)) == names[2:]
+    assert "later segments" in j.dropped[0]
+    j.enqueue("q", entry(len(kept) + 1, b"new"))
+    j.commit()
+    j.close()
+    _, again = opened(tmp_path, segment_size=seg)
+    assert seqs(again)["q"] == list(range(1, len(kept) + 2))
