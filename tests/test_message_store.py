@@ -226,3 +226,31 @@ async def test_the_committer_task_syncs_off_the_loop_and_completes_transfers(tmp
                 h.run()
             assert recovered(tmp_path) == {"dq": list(range(1, 51))}
             nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_sync_stops_the_task_and_completes_nothing(tmp_path):
+    """A write or sync that fails leaves the transfers held (completing them
+    would claim durability) and ends the task with the error, for the daemon to stop."""
+    h = Harness()
+    p = h.connect().session()
+    declare(p, "dq")
+    journal = Journal(tmp_path)
+    journal.recover()
+
+    def disk_full(batch):
+        raise OSError(28, "No space left on device")
+
+    journal.write_and_sync = disk_full
+    ids = [p.transfer("dq", b"m", properties=DURABLE) for _ in range(3)]
+    failed: tuple = ()
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_store, h.broker, journal)
+                h.run()
+                await trio.sleep_forever()
+    except* OSError as group:
+        failed = group.exceptions
+    assert [str(e) for e in failed] == ["[Errno 28] No space left on device"]
+    h.run()
+    assert p.incomplete(ids) == ids
