@@ -31,13 +31,14 @@ ALLOWED = {
     "broker": {"broker", "protocol", NATIVE},
     "client": {"client", "protocol", NATIVE},
     "management": {"management", "broker", "protocol", "version"},
-    "server": {"server", "management", "broker", "protocol"},
+    "server": {"server", "management", "broker", "protocol", "store"},
+    "store": {"store", "broker", "protocol", NATIVE},  # the durable store: no trio (the server runs its syncs)
     "testing": {"testing", "server", "management", "broker", "client", "protocol"},
     "spark": {"spark", "api", "client", "protocol"},
     "api": {"api", "version", "client", "broker", "protocol"},  # qflow/__init__.py: the public names
     "cli": {"cli", "api", "version", "server", "management", "broker", "client", "protocol"},
 }
-FORBIDDEN_THIRD_PARTY = {"protocol": {"trio", "h11"}, "broker": {"trio", "h11"}}
+FORBIDDEN_THIRD_PARTY = {"protocol": {"trio", "h11"}, "broker": {"trio", "h11"}, "store": {"trio", "h11"}}
 
 
 def _module_name(path: Path) -> str:

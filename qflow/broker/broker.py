@@ -25,7 +25,7 @@ from qflow.broker.accounting import load_accounting
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
 from qflow.broker.flow import FlowDefaults, SettingsError, resolve, resume_without_stop
-from qflow.broker.flow_limit import FlowControl, Holder, holders_of, pack_op
+from qflow.broker.flow_limit import Dequeued, FlowControl, Holder, holders_of, pack_op
 from qflow.broker.ops import OP_END, OP_TRANSFER, Accounting
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -71,6 +71,7 @@ class Broker:
         self._dirty_sessions = self.flow.dirty  # sessions with something to report
         self._delivery = Delivery(self._dirty_sessions)
         self.on_queue_deleted: list[Callable[[Queue], None]] = []
+        self.on_queue_declared: list[Callable[[Queue], None]] = []  # after a queue is created (the store)
 
     @property
     def acct(self) -> Accounting:
@@ -303,10 +304,12 @@ class Broker:
         return not q.entries or oldest < seq_of(q.entries[0])
 
     # -- outside holders ----------------------------------------------------------
-    def add_holder(self, name: str, wake: Callable[[], None] | None = None) -> Holder:
+    def add_holder(self, name: str, wake: Callable[[], None] | None = None,
+                   dequeued: Dequeued | None = None) -> Holder:
         """A new outside holder of transfers' completion (qflow.broker.flow_limit.Holder);
-        a queue carries it with :meth:`Queue.add_holder`."""
-        return self.flow.add_holder(name, wake)
+        a queue carries it with :meth:`Queue.add_holder`. ``dequeued(queue, entries)``,
+        if given, is told of every dequeue from a queue that carries it."""
+        return self.flow.add_holder(name, wake, dequeued)
 
     def remove_holder(self, holder: Holder) -> None:
         """The holder is gone (the store closes): no queue carries it, and the
@@ -429,6 +432,8 @@ class Broker:
         self.flow.attach(q)
         self.queues[name] = q
         self.exchanges[""].bind(q, name)
+        for callback in self.on_queue_declared:
+            callback(q)
         return q, True
 
     def modify_queue(self, q: Queue, arguments: dict[str, Any]) -> None:

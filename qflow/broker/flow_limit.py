@@ -143,6 +143,8 @@ class FlowLimit:
 # What a holder is handed for each transfer it holds: (its token, the messages held: (queue, entry) for
 # each of the transfer's queues that carry the holder).
 Held = tuple[int, tuple[tuple["Queue", Entry], ...]]
+# What a holder may be told of dequeues: (queue, the entries dequeued from it).
+Dequeued = Callable[["Queue", Sequence[Entry]], None]
 
 
 def _nothing() -> None:
@@ -161,14 +163,18 @@ class Holder:
     the transfer completes once its other holders (routing, stopped queues,
     other outside holders) have let go too. Created by :meth:`FlowControl.add_holder`."""
 
-    __slots__ = ("slot", "name", "control", "arrived", "wake", "removed")
+    __slots__ = ("slot", "name", "control", "arrived", "wake", "dequeued", "removed")
 
-    def __init__(self, slot: int, name: str, control: FlowControl, wake: Callable[[], None] | None) -> None:
+    def __init__(self, slot: int, name: str, control: FlowControl, wake: Callable[[], None] | None,
+                 dequeued: Dequeued | None = None) -> None:
         self.slot = slot  # the accounting's number for it (queues and holders share the numbering)
         self.name = name
         self.control = control
         self.arrived: list[Held] = []  # holds given since the last take()
         self.wake = wake or _nothing  # called after an apply that gave it holds
+        # Told of every message dequeued from a queue that carries it, as it happens (the store
+        # writes the removal); queues without holders pay nothing for it.
+        self.dequeued = dequeued
         self.removed = False
 
     def __repr__(self) -> str:
@@ -250,9 +256,10 @@ class FlowControl:
         return self.acct.stats(q.flow.slot)
 
     # -- outside holders -------------------------------------------------------
-    def add_holder(self, name: str, wake: Callable[[], None] | None = None) -> Holder:
+    def add_holder(self, name: str, wake: Callable[[], None] | None = None,
+                   dequeued: Dequeued | None = None) -> Holder:
         """A new outside holder; it holds nothing until a queue carries it."""
-        holder = Holder(self.acct.add_holder(), name, self, wake)
+        holder = Holder(self.acct.add_holder(), name, self, wake, dequeued)
         self.holders[holder.slot] = holder
         return holder
 

@@ -155,8 +155,32 @@ class Queue:
         if self.consumers or self.browsers:
             self.ready[self] = None
 
+    def restore(self, entries: list[Entry]) -> None:
+        """Put back messages recovered from the durable store, in sequence order,
+        before anything else is enqueued. Each is announced as an enqueue outside
+        any transfer: the flow limit counts it (a queue recovered above its stop
+        threshold starts with flow on) and nothing is held. Numbering goes on
+        after the last one, so a new message never takes a stored one's number."""
+        if self.next_seq != 1 or self.entries:
+            raise ValueError(f"queue {self.name!r}: restore() after messages were enqueued")
+        control = self.control
+        nbytes = 0
+        for entry in entries:
+            seq, size = seq_and_size(entry)
+            nbytes += size
+            control.log += pack_op(OP_ENQUEUE, self.slot, size, 0, 0)
+            control.log_seqs.append(seq)
+        self.entries.extend(entries)
+        self.count += len(entries)
+        self.nbytes += nbytes
+        if entries:
+            self.next_seq = seq_of(entries[-1]) + 1
+            if self.consumers or self.browsers:
+                self.ready[self] = None
+
     def dequeue(self, entry: Entry) -> None:
-        """Remove one message for good (accepted, purged, overwritten) and announce it."""
+        """Remove one message for good (accepted, purged, overwritten) and announce it
+        (to the flow limits and to the outside holders that watch dequeues)."""
         seq, size = seq_and_size(entry)
         self.count -= 1
         self.nbytes -= size
@@ -164,10 +188,19 @@ class Queue:
         self.byte_total_dequeues += size
         self.control.log += pack_op(OP_DEQUEUE, self.slot, size, self.flow.release_token(seq), 0)
         self.control.log_seqs.append(None)
+        if self.holders:
+            for holder in self.holders:
+                if holder.dequeued is not None:
+                    holder.dequeued(self, (entry,))
 
     def dequeue_many(self, entries: list[Entry]) -> None:
         """Dequeue several: those whose transfer is held here one by one (their
-        holds are released), the rest announced as one OP_DEQUEUE_N."""
+        holds are released), the rest announced as one OP_DEQUEUE_N; the outside
+        holders that watch dequeues are told of all of them at once."""
+        if self.holders:
+            for holder in self.holders:
+                if holder.dequeued is not None:
+                    holder.dequeued(self, entries)
         tokens = self.flow.tokens
         if not tokens:  # the usual case: no transfer held here
             n, nbytes = len(entries), total_size(entries)
@@ -175,8 +208,13 @@ class Queue:
             n = nbytes = 0
             for e in entries:
                 seq, size = seq_and_size(e)
-                if seq in tokens:
-                    self.dequeue(e)
+                if seq in tokens:  # as dequeue(), but the holders were told above
+                    self.count -= 1
+                    self.nbytes -= size
+                    self.total_dequeues += 1
+                    self.byte_total_dequeues += size
+                    self.control.log += pack_op(OP_DEQUEUE, self.slot, size, tokens.pop(seq), 0)
+                    self.control.log_seqs.append(None)
                 else:
                     n += 1
                     nbytes += size

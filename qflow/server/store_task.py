@@ -1,0 +1,53 @@
+"""The durable store's committer task: group commit with the sync off the
+event loop (issue 14, docs/store.md "Group commit, on the loop and off it").
+
+One commit is in flight at a time; whatever the broker stages while a sync
+runs goes into the next one, so the sync rate follows the disk by itself.
+The daemon starts it once the journal is recovered and the durable queues
+are declared::
+
+    store = await nursery.start(run_store, broker, journal)
+
+If a write or a sync fails, the task raises (the journal refuses further
+commits): persistent transfers can no longer be made durable, and completing
+them anyway would be a lie. The daemon should then stop.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from qflow.broker.broker import Broker
+from qflow.store.journal import Journal
+from qflow.store.message_store import MessageStore
+
+
+async def run_store(broker: Broker, journal: Journal,
+                    task_status: trio.TaskStatus[MessageStore] = trio.TASK_STATUS_IGNORED) -> None:
+    """Hold ``broker``'s durable queues' transfers until ``journal`` has them
+    on disk; runs until cancelled. ``journal`` must be recovered already.
+    Reports the :class:`MessageStore` through ``task_status``."""
+    poked = trio.Event()
+
+    def wake() -> None:  # called on the loop, possibly inside the broker's apply: only signal
+        poked.set()
+
+    store = MessageStore(broker, journal, wake)
+    task_status.started(store)
+    while True:
+        await poked.wait()
+        poked = trio.Event()
+        commit = store.prepare()
+        broker.flush()  # the transient transfers prepare() released complete now, not after the sync
+        if commit is None:
+            continue
+        if commit.batch is not None:
+            try:
+                # Not cancellable (trio's default): a commit abandoned half way would leave the
+                # journal's two sides out of step; shutdown waits for at most one sync.
+                await trio.to_thread.run_sync(journal.write_and_sync, commit.batch)
+            except BaseException:
+                journal.committed(commit.batch)
+                raise
+        store.finish(commit)
+        broker.flush()

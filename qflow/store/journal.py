@@ -1,0 +1,557 @@
+"""The message journal of the durable store (issue 14, docs/store.md). No trio.
+
+An append-only journal of segment files, one crc32-checksummed record per
+batch of work. The event loop *stages* enqueues, dequeues and queue deletions;
+a commit writes everything staged as one record and ``fdatasync``s it. The
+commit is split so that the sync can run in a worker thread while the loop
+stages the next batch:
+
+* :meth:`Journal.take_staged` (loop): closes the staged batch, places it in a
+  segment, decides carry-forward and which segments die; returns a
+  :class:`Batch`, which nothing on the loop touches again;
+* :meth:`Journal.write_and_sync` (worker thread, one at a time): encodes the
+  batch, ``os.writev`` + ``os.fdatasync``, then unlinks the segments it killed;
+* :meth:`Journal.committed` (loop, after the sync): the size counter.
+
+:meth:`Journal.commit` does the three in a row for a single-threaded caller.
+The loop-side state (what is live where) and the file side (descriptors)
+are disjoint, so the hand-over needs no lock; only one commit may be in flight.
+
+On disk (all integers little-endian)::
+
+    segment  = NNNNNNNN.jrn: a header record, then batch records
+    record   = u32 length | u32 crc32(payload) | payload   (length = len(payload))
+    header payload = u8 1 | b"QFJ1" | u16 version (1) | u64 segment number | u8 checksum (1 = zlib crc32)
+    batch payload  = u8 2 | u32 nnames | nnames x (u16 len | utf-8 queue name)
+                   | u32 nbodies | nbodies x (u64 body size | u32 tail length)
+                   | u32 nsections | sections | the tails, back to back
+    section  = u8 op | u32 n | n items, in staging order:
+               op 1 enqueue: u32 name index | u64 sequence | u32 body index
+               op 2 dequeue: u32 name index | u64 sequence
+               op 3 delete:  u32 name index  (every message of the queue so far is gone)
+
+A *tail* is a stored entry without its fixed head (qflow.protocol.entries):
+exchange, routing key, properties and body, as the broker holds them. With the
+body size and the sequence number it rebuilds the entry exactly. Several
+enqueues naming one body index are a fanout: the body is stored once.
+
+A segment is unlinked once nothing live remains in it and every older segment
+is gone (a dequeue record in a later segment may be what keeps a message of an
+older one dead). When the oldest segment has under ``carry_below`` of a
+segment's bytes live, its live messages are staged again (the journal keeps
+each live entry in memory; the broker holds it anyway) and the segment dies
+with that commit: a slow queue cannot pin the whole journal.
+
+Recovery reads the segments in order and stops at the first bad record (short,
+wrong length or crc, or malformed), keeping everything before it and logging
+the file, the offset and what was wrong. What follows a bad record is moved
+into ``dropped/`` so that the next recovery cannot stop there again, behind
+records written after this one. Recovered entries are marked redelivered: the
+journal does not record deliveries, so any of them may have been delivered
+(and, a removal being lazy, even accepted) before the crash. AMQP 0-10's
+redelivered flag means "may have been delivered before"; qpidd marks only
+what it knows was delivered, but it records deliveries, and we do not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qflow.protocol.entries import ENTRY_HEAD, ENTRY_HEAD_SIZE, REDELIVERED_YES, Entry, seq_and_size
+
+log = logging.getLogger("qflow.store")
+
+SUFFIX = ".jrn"
+MAGIC = b"QFJ1"
+VERSION = 1
+CRC32 = 1
+KIND_HEADER, KIND_BATCH = 1, 2
+OP_ENQUEUE, OP_DEQUEUE, OP_DELETE = 1, 2, 3
+
+_RECORD = struct.Struct("<II")  # length, crc32
+_HEADER = struct.Struct("<B4sHQB")
+_U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
+_SECTION = struct.Struct("<BI")
+_BODY = struct.Struct("<QI")
+_ENQ = struct.Struct("<IQI")
+_DEQ = struct.Struct("<IQ")
+_entry_head = ENTRY_HEAD.pack
+
+
+class JournalError(Exception):
+    """The journal was used out of order (staging before recovery, two commits at once)."""
+
+
+class _BadRecord(Exception):
+    """A record that ends a recovery."""
+
+
+class _Segment:
+    """A segment file as the loop sees it: its size so far and what is live in it."""
+
+    __slots__ = ("number", "size", "live", "live_bytes", "members")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.size = 0  # bytes placed in it (the header included), written or about to be
+        self.live = 0
+        self.live_bytes = 0
+        self.members: dict[str, dict[int, Entry]] = {}  # its live messages: queue -> seq -> entry
+
+    def add(self, queue: str, seq: int, entry: Entry) -> None:
+        self.members.setdefault(queue, {})[seq] = entry
+        self.live += 1
+        self.live_bytes += len(entry)
+
+    def remove(self, queue: str, seq: int) -> None:
+        entry = self.members[queue].pop(seq)
+        self.live -= 1
+        self.live_bytes -= len(entry)
+
+
+@dataclass
+class Batch:
+    """One commit's worth, handed from the loop to the writer. Immutable once taken."""
+
+    names: list[str] = field(default_factory=list)
+    bodies: list[tuple[int, Entry]] = field(default_factory=list)  # (body size, an entry carrying that tail)
+    sections: list[tuple[int, list[tuple[int, ...]]]] = field(default_factory=list)
+    tail_bytes: int = 0
+    segment: int = 0  # the segment it is written to
+    new_segment: bool = False  # the writer creates that segment first
+    unlink: list[int] = field(default_factory=list)  # segments that die once this batch is durable
+    record_size: int = 0  # the record's bytes (a new segment's header included)
+
+    def __bool__(self) -> bool:
+        return bool(self.sections)
+
+
+class Journal:
+    """The journal in ``directory`` (created if missing). Call :meth:`recover`
+    once, then stage and commit. ``segment_size`` is the size a segment is
+    rolled over at (a record larger than that gets a segment of its own);
+    ``carry_below`` is the share of it below which the oldest segment's live
+    messages are carried forward."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, segment_size: int = 32 << 20,
+                 carry_below: float = 0.25) -> None:
+        if segment_size < 64:
+            raise ValueError(f"segment_size {segment_size}: must be at least 64 bytes")
+        if not 0 <= carry_below < 1:
+            raise ValueError(f"carry_below {carry_below}: must be in [0, 1)")
+        self.directory = Path(directory)
+        self.segment_size = segment_size
+        self.carry_below = carry_below
+        self._segments: dict[int, _Segment] = {}  # oldest first (insertion order)
+        self._live: dict[str, dict[int, _Segment | None]] = {}  # queue -> seq -> its segment (None: staged)
+        self._staged = Batch()
+        self._staged_members: dict[str, dict[int, Entry]] = {}  # enqueued in the staged batch, still live
+        self._name_index: dict[str, int] = {}
+        self._current: _Segment | None = None
+        self._in_flight = False
+        self._failed: str | None = None  # why the last write failed: no commit may follow it
+        self._recovered = False
+        self._size = 0  # bytes of the segment files that exist or are being written
+        self._fd = -1  # the writer's: the current segment's file
+        self._fd_segment = -1
+        self.dropped: list[str] = []  # what the recovery dropped, and why (also logged)
+
+    # -- staging (the loop) ---------------------------------------------------
+    def _name(self, queue: str) -> int:
+        i = self._name_index.get(queue)
+        if i is None:
+            i = self._name_index[queue] = len(self._staged.names)
+            self._staged.names.append(queue)
+        return i
+
+    def _section(self, op: int) -> list[tuple[int, ...]]:
+        sections = self._staged.sections
+        if not sections or sections[-1][0] != op:
+            sections.append((op, []))
+        return sections[-1][1]
+
+    def enqueue(self, queue: str, entry: Entry) -> None:
+        """Stage ``entry`` (a stored entry, qflow.protocol.entries) on ``queue``."""
+        self.enqueue_fanout(((queue, entry),))
+
+    def enqueue_fanout(self, placements: Sequence[tuple[str, Entry]]) -> None:
+        """Stage one message on several queues, its body stored once:
+        ``placements`` are (queue, entry) with entries that differ only in
+        their heads (the same message routed to each queue)."""
+        if not self._recovered:
+            raise JournalError("stage after recover(): the journal is not open yet")
+        if not placements:
+            return
+        staged = self._staged
+        first = placements[0][1]
+        size = seq_and_size(first)[1]
+        body = len(staged.bodies)
+        staged.bodies.append((size, first))
+        staged.tail_bytes += len(first) - ENTRY_HEAD_SIZE
+        items = self._section(OP_ENQUEUE)
+        live, members = self._live, self._staged_members
+        for queue, entry in placements:
+            seq = seq_and_size(entry)[0]
+            items.append((self._name(queue), seq, body))
+            old = live.setdefault(queue, {}).get(seq)
+            if old is not None:  # a second copy (carry-forward): the newest is the one that counts
+                old.remove(queue, seq)
+            live[queue][seq] = None
+            members.setdefault(queue, {})[seq] = entry
+
+    def dequeue(self, queue: str, seq: int) -> bool:
+        """Stage the removal of message ``seq`` of ``queue``; False (and nothing
+        staged) if the journal does not hold it: a transient message, or one gone already."""
+        segs = self._live.get(queue)
+        if segs is None or seq not in segs:
+            return False
+        self._forget(queue, seq, segs.pop(seq))
+        self._section(OP_DEQUEUE).append((self._name(queue), seq))
+        return True
+
+    def delete_queue(self, queue: str) -> None:
+        """Stage the deletion of ``queue``: every message it has now is gone for good."""
+        if not self._recovered:
+            raise JournalError("stage after recover(): the journal is not open yet")
+        for seq, seg in self._live.pop(queue, {}).items():
+            self._forget(queue, seq, seg)
+        self._section(OP_DELETE).append((self._name(queue),))
+
+    def _forget(self, queue: str, seq: int, seg: _Segment | None) -> None:
+        if seg is None:
+            del self._staged_members[queue][seq]
+        else:
+            seg.remove(queue, seq)
+
+    def has_staged(self) -> bool:
+        return bool(self._staged)
+
+    def live_messages(self) -> int:
+        """How many messages the journal holds live (staged ones included)."""
+        return sum(len(s) for s in self._live.values())
+
+    # -- the hand-over ----------------------------------------------------------
+    def take_staged(self) -> Batch | None:
+        """Close the staged batch and place it (loop side); None if nothing is
+        staged. The result goes to :meth:`write_and_sync`, then :meth:`committed`."""
+        if self._in_flight:
+            raise JournalError("take_staged() while a commit is in flight: call committed() first")
+        if self._failed is not None:
+            raise JournalError(f"a write failed ({self._failed}): records after a possibly partial one "
+                               "would be lost to recovery; recover() in a new Journal")
+        self._carry_forward()
+        batch = self._staged
+        if not batch:
+            return None
+        self._staged, self._name_index = Batch(), {}
+        payload = 1 + 4 + sum(2 + len(n.encode()) for n in batch.names) + 4 + _BODY.size * len(batch.bodies) + 4 \
+            + sum(_SECTION.size + len(items) * _item_size(op) for op, items in batch.sections) + batch.tail_bytes
+        record = _RECORD.size + payload
+        cur = self._current
+        # Roll over when the record does not fit, and also when nothing at all is live and the current
+        # segment is over 1/8 full: then every segment dies with this commit, and the size falls to
+        # almost nothing after a drain instead of staying at up to a segment.
+        if cur is None or (cur.size + record > self.segment_size and cur.size > _HEADER_RECORD_SIZE) \
+                or (cur.size > self.segment_size // 8 and not any(s.live for s in self._segments.values())):
+            number = cur.number + 1 if cur is not None else self._next_number
+            cur = self._current = self._segments[number] = _Segment(number)
+            cur.size = _HEADER_RECORD_SIZE
+            batch.new_segment = True
+            record += _HEADER_RECORD_SIZE
+        batch.segment = cur.number
+        batch.record_size = record
+        cur.size += record - (_HEADER_RECORD_SIZE if batch.new_segment else 0)
+        self._size += record
+        live = self._live
+        for queue, seqs in self._staged_members.items():
+            if not seqs:  # all dequeued or deleted before this take
+                continue
+            lq = live[queue]
+            for seq, entry in seqs.items():
+                lq[seq] = cur
+                cur.add(queue, seq, entry)
+        self._staged_members = {}
+        for seg in list(self._segments.values()):  # oldest first: each dies only after all older ones
+            if seg is cur or seg.live:
+                break
+            batch.unlink.append(seg.number)
+            del self._segments[seg.number]
+            self._size -= seg.size
+        self._in_flight = True
+        return batch
+
+    def _oldest(self) -> _Segment | None:
+        return next(iter(self._segments.values()), None)
+
+    def _carry_forward(self) -> None:
+        head = self._oldest()
+        if head is None or head is self._current or not head.live \
+                or head.live_bytes >= self.carry_below * self.segment_size:
+            return
+        for queue, seqs in list(head.members.items()):
+            for entry in list(seqs.values()):
+                self.enqueue_fanout(((queue, entry),))
+
+    # -- the writer (a worker thread) -------------------------------------------
+    def write_and_sync(self, batch: Batch) -> None:
+        """Write ``batch`` as one record and make it durable; then unlink the
+        segments it killed. Blocking: run it off the event loop. Touches only
+        the file side of the journal, never what the loop stages."""
+        try:
+            if batch.new_segment:
+                self._open_segment(batch.segment)
+            payload = _encode(batch)
+            head = _RECORD.pack(len(payload), zlib.crc32(payload))
+            written = os.writev(self._fd, [head, payload])
+            if written != len(head) + len(payload):
+                raise OSError(f"short write to segment {batch.segment}: {written} of {len(head) + len(payload)} bytes")
+            os.fdatasync(self._fd)
+            if batch.new_segment:  # the new name counts only once the directory says so
+                _fsync_dir(self.directory)
+        except BaseException as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
+        if batch.unlink:
+            for number in batch.unlink:
+                os.unlink(self._path(number))
+            _fsync_dir(self.directory)  # dead segments are removed head first: never leave a gap behind
+
+    def _open_segment(self, number: int) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        fd = os.open(self._path(number), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        header = _U8.pack(KIND_HEADER) + _HEADER.pack(0, MAGIC, VERSION, number, CRC32)[1:]
+        os.write(fd, _RECORD.pack(len(header), zlib.crc32(header)) + header)
+        self._fd, self._fd_segment = fd, number
+
+    def committed(self, batch: Batch) -> None:
+        """The loop's side of a finished (or failed) :meth:`write_and_sync`: the next commit may start."""
+        self._in_flight = False
+
+    def commit(self) -> None:
+        """Take, write, sync and finish what is staged, inline (tests, tools, a single-threaded caller)."""
+        batch = self.take_staged()
+        if batch is not None:
+            try:
+                self.write_and_sync(batch)
+            finally:
+                self.committed(batch)
+
+    def size_on_disk(self) -> int:
+        """The bytes of the journal's segment files, as placed by the commits
+        taken so far (no ``stat``): it falls as soon as a commit that kills a
+        segment is taken, in segment-sized steps."""
+        return self._size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _path(self, number: int) -> Path:
+        return self.directory / f"{number:08d}{SUFFIX}"
+
+    # -- recovery -----------------------------------------------------------------
+    def recover(self) -> dict[str, list[Entry]]:
+        """Read the journal: per queue name, its live entries in sequence order,
+        marked redelivered. Opens the journal for staging; the next commit goes
+        to a new segment, never after a possibly torn tail."""
+        if self._recovered:
+            raise JournalError("recover() twice")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        numbers = sorted(int(p.name[:-len(SUFFIX)]) for p in self.directory.glob("*" + SUFFIX)
+                         if p.name[:-len(SUFFIX)].isdigit())
+        state: dict[str, dict[int, tuple[int, Entry]]] = {}  # queue -> seq -> (segment, entry)
+        sizes: dict[int, int] = {}
+        bad_at = None
+        for i, number in enumerate(numbers):
+            path = self._path(number)
+            if i and number != numbers[i - 1] + 1:
+                log.warning("journal %s: segments %d to %d are missing (messages they removed may come back)",
+                            self.directory, numbers[i - 1] + 1, number - 1)
+            data = path.read_bytes()
+            offset, reason = _read_segment(data, number, state)
+            if offset < 0:
+                sizes[number] = len(data)
+                continue
+            bad_at = (i, number, offset, len(data), reason)
+            break
+        if bad_at is not None:
+            i, number, offset, length, reason = bad_at
+            self._drop(number, offset, length, reason, numbers[i + 1:])
+            if offset > 0:
+                sizes[number] = offset
+            kept = numbers[:i + (1 if offset > 0 else 0)]
+        else:
+            kept = numbers
+        self._next_number = (kept[-1] + 1) if kept else 1
+        for number in kept:
+            self._segments[number] = _Segment(number)
+            self._segments[number].size = sizes[number]
+        self._size = sum(sizes.values())
+        result: dict[str, list[Entry]] = {}
+        for queue, msgs in state.items():
+            if not msgs:
+                continue
+            segs = self._live[queue] = {}
+            entries = result[queue] = []
+            for seq in sorted(msgs):
+                number, entry = msgs[seq]
+                seg = self._segments[number]
+                seg.add(queue, seq, entry)
+                segs[seq] = seg
+                entries.append(entry)
+        # Segments with nothing live die with the first commit (head first, as always).
+        self._recovered = True
+        return result
+
+    def _drop(self, number: int, offset: int, length: int, reason: str, later: list[int]) -> None:
+        where = self.directory / "dropped"
+        where.mkdir(exist_ok=True)
+        path = self._path(number)
+        msg = f"{path} at offset {offset} of {length}: {reason}; dropped {length - offset} bytes"
+        if later:
+            msg += f" and the later segments {', '.join(f'{n:08d}' for n in later)}"
+        log.error("journal recovery stopped: %s", msg)
+        self.dropped.append(msg)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            (where / f"{number:08d}.at-{offset}").write_bytes(f.read())
+        if offset > 0:
+            os.truncate(path, offset)
+        else:
+            os.unlink(path)
+        for n in later:
+            os.replace(self._path(n), where / self._path(n).name)
+        _fsync_dir(self.directory)
+
+
+_HEADER_RECORD_SIZE = _RECORD.size + _HEADER.size
+
+
+def _item_size(op: int) -> int:
+    return _ENQ.size if op == OP_ENQUEUE else _DEQ.size if op == OP_DEQUEUE else _U32.size
+
+
+def _encode(batch: Batch) -> bytes:
+    parts: list[bytes | memoryview] = [_U8.pack(KIND_BATCH), _U32.pack(len(batch.names))]
+    for name in batch.names:
+        raw = name.encode()
+        parts += (_U16.pack(len(raw)), raw)
+    parts.append(_U32.pack(len(batch.bodies)))
+    parts += [_BODY.pack(size, len(entry) - ENTRY_HEAD_SIZE) for size, entry in batch.bodies]
+    parts.append(_U32.pack(len(batch.sections)))
+    for op, items in batch.sections:
+        parts.append(_SECTION.pack(op, len(items)))
+        pack = (_ENQ if op == OP_ENQUEUE else _DEQ if op == OP_DEQUEUE else _U32).pack
+        parts += [pack(*item) for item in items]
+    parts += [memoryview(entry)[ENTRY_HEAD_SIZE:] for _, entry in batch.bodies]
+    return b"".join(parts)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int, Entry]]]) -> tuple[int, str]:
+    """Apply segment ``number``'s records to ``state``: (-1, "") if all were
+    good, else (the offset of the first bad record, what was wrong with it)."""
+    pos, end, first = 0, len(data), True
+    view = memoryview(data)
+    while pos < end:
+        try:
+            if end - pos < _RECORD.size:
+                raise _BadRecord(f"{end - pos} bytes, too short for a record head")
+            length, crc = _RECORD.unpack_from(data, pos)
+            start = pos + _RECORD.size
+            if length > end - start:
+                raise _BadRecord(f"record of {length} bytes, only {end - start} left (torn write)")
+            payload = view[start:start + length]
+            if zlib.crc32(payload) != crc:
+                raise _BadRecord(f"crc32 mismatch over {length} bytes")
+            kind = payload[0] if length else 0
+            if first:
+                if kind != KIND_HEADER or length != _HEADER.size:
+                    raise _BadRecord("no segment header")
+                _, magic, version, seg, algo = _HEADER.unpack(payload)
+                if magic != MAGIC or version != VERSION or algo != CRC32:
+                    raise _BadRecord(f"header: magic {magic!r} version {version} checksum {algo}, "
+                                     f"expected {MAGIC!r} {VERSION} {CRC32}")
+                if seg != number:
+                    raise _BadRecord(f"header says segment {seg}")
+                first = False
+            elif kind == KIND_BATCH:
+                _apply_batch(payload, number, state)
+            else:
+                raise _BadRecord(f"unknown record kind {kind}")
+        except _BadRecord as exc:
+            return pos, str(exc)
+        except (struct.error, IndexError, UnicodeDecodeError) as exc:  # a good crc over a malformed batch
+            return pos, f"malformed batch: {exc}"
+        pos = start + length
+    if first:
+        return 0, "empty segment: no header"
+    return -1, ""
+
+
+def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[int, Entry]]]) -> None:
+    """Decode a batch payload and apply it to ``state``, all or nothing."""
+    pos = 1
+    (nnames,), pos = _U32.unpack_from(p, pos), pos + 4
+    names = []
+    for _ in range(nnames):
+        (n,) = _U16.unpack_from(p, pos)
+        if pos + 2 + n > len(p):
+            raise IndexError("queue name past the end")
+        names.append(bytes(p[pos + 2:pos + 2 + n]).decode())
+        pos += 2 + n
+    (nbodies,), pos = _U32.unpack_from(p, pos), pos + 4
+    heads = list(_BODY.iter_unpack(p[pos:pos + nbodies * _BODY.size]))
+    if len(heads) != nbodies:
+        raise IndexError("body table past the end")
+    pos += nbodies * _BODY.size
+    (nsections,), pos = _U32.unpack_from(p, pos), pos + 4
+    ops = []
+    for _ in range(nsections):
+        op, n = _SECTION.unpack_from(p, pos)
+        pos += _SECTION.size
+        if op not in (OP_ENQUEUE, OP_DEQUEUE, OP_DELETE):
+            raise IndexError(f"section op {op}")
+        width = _item_size(op) * n
+        if pos + width > len(p):
+            raise IndexError("section past the end")
+        st = _ENQ if op == OP_ENQUEUE else _DEQ if op == OP_DEQUEUE else _U32
+        ops.append((op, list(st.iter_unpack(p[pos:pos + width]))))
+        pos += width
+    tails = []
+    for _size, tlen in heads:
+        tails.append(p[pos:pos + tlen])
+        pos += tlen
+    if pos != len(p):
+        raise IndexError(f"{len(p) - pos} bytes after the bodies")
+    for op, items in ops:  # every index checked before anything is applied: a batch counts whole or not at all
+        for item in items:
+            if item[0] >= nnames or (op == OP_ENQUEUE and item[2] >= nbodies):
+                raise IndexError(f"op {op} names queue {item[0]} of {nnames} or body {item[-1]} of {nbodies}")
+    for op, items in ops:
+        if op == OP_ENQUEUE:
+            for qi, seq, bi in items:
+                size, tail = heads[bi][0], tails[bi]
+                state.setdefault(names[qi], {})[seq] = (
+                    number, _entry_head(REDELIVERED_YES, 0xCF, seq, 0xCF, size) + tail)
+        elif op == OP_DEQUEUE:
+            for qi, seq in items:
+                state.get(names[qi], {}).pop(seq, None)
+        else:
+            for (qi,) in items:
+                state.pop(names[qi], None)

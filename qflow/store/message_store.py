@@ -1,0 +1,204 @@
+"""The durable store as an outside holder of transfers' completion (issue 14,
+docs/architecture.md "Where the next capabilities go"). No trio, no I/O of
+its own: the journal (qflow.store.journal) does the writing, and the server's
+store task (qflow.server.store_task) runs its sync in a worker thread.
+
+Every durable queue carries the store's holder. A transfer routed to one is
+held until the store lets go: at once if the message is transient (it must
+not wait for the disk), after the commit that makes it durable if it is
+persistent (message property ``"durable": true``, as qflow.client.sender sets
+it). Every dequeue from a durable queue (accept, purge, ring overwrite,
+remove-through) is staged as a removal and rides along with the next commit:
+removal is lazy, and a removal lost in a crash means a redelivery.
+
+The cycle, all on the event loop except ``write_and_sync``::
+
+    holder woken (inside an apply)     -> wake(): only a signal; nothing may be released mid-apply
+    commit = store.prepare()           -> stages the holds that arrived, releases the transient ones
+    journal.write_and_sync(commit.batch)     (worker thread)
+    store.finish(commit); broker.flush()     -> the persistent transfers complete
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, seq_and_size, seq_of
+from qflow.store.journal import Batch, Journal
+
+if TYPE_CHECKING:
+    from qflow.broker.broker import Broker
+    from qflow.broker.queue import Queue
+
+log = logging.getLogger("qflow.store")
+
+
+_ONLY_DURABLE = msgpack.packb({"durable": True})
+
+
+def _str_end(entry: Entry, pos: int) -> int:
+    """Where the msgpack str at ``pos`` ends."""
+    b = entry[pos]
+    if 0xA0 <= b <= 0xBF:
+        return pos + 1 + (b & 0x1F)
+    if b == 0xD9:
+        return pos + 2 + entry[pos + 1]
+    if b == 0xDA:
+        return pos + 3 + int.from_bytes(entry[pos + 1:pos + 3], "big")
+    if b == 0xDB:
+        return pos + 5 + int.from_bytes(entry[pos + 1:pos + 5], "big")
+    raise ValueError(f"entry: byte {pos} is 0x{b:02x}, not a str")
+
+
+def is_persistent(entry: Entry) -> bool:
+    """Whether the message stored as ``entry`` has the property ``"durable": true``.
+    The properties map is found without decoding anything else (it lies between
+    the routing key and the body, whose size the entry's head gives), and is
+    decoded only if it mentions ``durable``: a transient message costs two
+    length reads and a substring search."""
+    props = _str_end(entry, _str_end(entry, ENTRY_HEAD_SIZE))
+    if entry[props] == 0xC0:  # nil: no properties
+        return False
+    size = seq_and_size(entry)[1]
+    end = len(entry) - size - (2 if size < 0x100 else 3 if size < 0x10000 else 5)  # the body's bin head
+    region = entry[props:end]
+    if region == _ONLY_DURABLE:  # what the client sends for durable=True and nothing else
+        return True
+    if b"durable" not in region:
+        return False
+    properties = msgpack.unpackb(region, raw=False, strict_map_key=False)
+    return isinstance(properties, dict) and properties.get("durable") is True
+
+
+@dataclass
+class Commit:
+    """One commit handed to the worker: the journal's batch (None when only
+    transfers with nothing left to write wait) and the holds it releases."""
+
+    batch: Batch | None
+    tokens: list[int]
+
+
+class MessageStore:
+    """``journal`` (recovered already) made the holder of ``broker``'s durable
+    queues. ``wake`` is called, on the loop, whenever there is something to
+    commit; it must only signal (it may be called inside the broker's apply)."""
+
+    def __init__(self, broker: Broker, journal: Journal, wake: Callable[[], None] | None = None) -> None:
+        self.broker = broker
+        self.journal = journal
+        self._wake = wake or (lambda: None)
+        self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued)
+        self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
+        self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
+        self._early: set[tuple[str, int]] = set()  # persistent messages dequeued before their hold arrived
+        broker.on_queue_declared.append(self.attach)
+        broker.on_queue_deleted.append(self._deleted)
+        for q in list(broker.queues.values()):
+            self.attach(q)
+
+    def restore(self, recovered: dict[str, list[Entry]]) -> None:
+        """Put the journal's recovered messages (``Journal.recover()``) back on
+        their queues, which must be declared already and empty, then apply: depth,
+        bytes and flow state are recomputed. Messages of a queue that is not
+        declared stay in the journal (a configuration error must not destroy
+        them) and are logged."""
+        for name, entries in recovered.items():
+            q = self.broker.queues.get(name)
+            if q is None or not q.durable:
+                log.error("store: %d recovered messages for queue %r, which is %s: kept in the journal, "
+                          "not delivered", len(entries), name, "not declared" if q is None else "not durable")
+                continue
+            q.restore(entries)
+        self.broker.flush()
+
+    def attach(self, q: Queue) -> None:
+        """Carry ``q``'s transfers if it is durable (called for every new queue)."""
+        if q.durable:
+            q.add_holder(self.holder)
+
+    def _deleted(self, q: Queue) -> None:
+        if q.durable:
+            self.journal.delete_queue(q.name)
+            self._wake()
+
+    def _dequeued(self, q: Queue, entries: Sequence[Entry]) -> None:
+        journal, name = self.journal, q.name
+        for entry in entries:
+            seq = seq_of(entry)
+            if not journal.dequeue(name, seq) and is_persistent(entry):
+                # Dequeued before its enqueue was staged (its hold not taken yet, or not even given:
+                # a ring overwrite in the transfer's own input batch): the enqueue must not be
+                # staged at all, or a crash would bring back a message that was removed.
+                self._early.add((name, seq))
+        self._wake()
+
+    def _stage_arrivals(self) -> None:
+        """Stage the holds given since the last call; the others wait in ``_now``
+        (released by prepare(): not here, which may run in the middle of a batch)."""
+        held = self.holder.take()
+        if not held:
+            return
+        early, journal, waiting, now = self._early, self.journal, self._waiting, self._now
+        for token, messages in held:
+            # A transfer's messages are one message routed to several queues: one test says for all.
+            if not is_persistent(messages[0][1]):
+                now.append(token)
+                continue
+            placements = [(q.name, e) for q, e in messages]
+            if early:
+                placements = [p for p in placements if (p[0], seq_of(p[1])) not in early]
+            if placements:
+                journal.enqueue_fanout(placements)
+                waiting.append(token)
+            else:
+                now.append(token)
+
+    def prepare(self) -> Commit | None:
+        """On the loop, between input batches: stage what arrived, release the
+        transient transfers' holds (then the caller flushes the broker), and take
+        the next commit; None if there is nothing to write or wait for."""
+        self._stage_arrivals()
+        self._early.clear()  # every hold given before this point has been staged above
+        if self._now:
+            self.holder.release(self._now)
+            self._now = []
+        batch = self.journal.take_staged()
+        if batch is None and not self._waiting:
+            return None
+        commit = Commit(batch, self._waiting)
+        self._waiting = []
+        return commit
+
+    def finish(self, commit: Commit) -> None:
+        """On the loop, after ``journal.write_and_sync(commit.batch)`` returned:
+        the persistent transfers are durable; release them (then flush the broker)."""
+        if commit.batch is not None:
+            self.journal.committed(commit.batch)
+        self.holder.release(commit.tokens)
+
+    def commit_inline(self) -> None:
+        """prepare, write, sync and finish on the calling thread, then flush
+        (tests and tools: it blocks for the sync)."""
+        commit = self.prepare()
+        if commit is not None:
+            if commit.batch is not None:
+                try:
+                    self.journal.write_and_sync(commit.batch)
+                except BaseException:
+                    self.journal.committed(commit.batch)
+                    raise
+            self.finish(commit)
+        self.broker.flush()
+
+    def close(self) -> None:
+        """Stop holding: every transfer still held completes unless something else holds it
+        (call only after the last commit, or persistent transfers complete undurably)."""
+        self.broker.on_queue_declared.remove(self.attach)
+        self.broker.on_queue_deleted.remove(self._deleted)
+        self.broker.remove_holder(self.holder)
