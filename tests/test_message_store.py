@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from qflow import protocol as P
-from qflow.protocol.entries import ENTRY_HEAD, encode_tail
+from qflow.protocol.entries import ENTRY_HEAD, encode_tail, message_size
 from qflow.server.store_task import run_store
 from qflow.store.journal import Journal
 from qflow.store.message_store import MessageStore, is_persistent
@@ -43,8 +43,9 @@ def open_store(harness: Harness, directory) -> MessageStore:
 
 
 def test_is_persistent_reads_the_durable_property():
-    def entry(props, body=b"b"):
-        return ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, len(body)) + encode_tail("", "q", props, body)
+    def entry(props, body=b"b", exchange="", routing_key="q"):
+        tail = encode_tail(exchange, routing_key, props, body)
+        return ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, message_size(len(tail), len(body))) + tail
 
     assert is_persistent(entry({"durable": True}))
     assert not is_persistent(entry({"durable": False}))
@@ -52,9 +53,7 @@ def test_is_persistent_reads_the_durable_property():
     assert not is_persistent(entry({"headers": {"x": "durable"}}))
     assert not is_persistent(entry(None))
     assert is_persistent(entry({"durable": True, "x": "y" * 300}, b"durable" * 10_000))  # str16 key, bin32 body
-    routing_key = "k" * 300  # a str16 routing key
-    long = ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, 300) + encode_tail("e" * 40, routing_key, {"durable": True}, b"d" * 300)
-    assert is_persistent(long)
+    assert is_persistent(entry({"durable": True}, b"d" * 300, "e" * 40, "k" * 300))  # a str16 routing key
 
 
 def test_a_persistent_transfer_completes_only_after_its_commit(harness, tmp_path):
@@ -186,8 +185,9 @@ def test_recovery_puts_messages_back_in_order_with_depth_and_flow_recomputed(har
     store = MessageStore(h.broker, journal)
     store.restore(journal.recover())
     q = h.broker.queues["dq"]
-    assert (q.count, q.nbytes) == (5, 10)
-    assert h.broker.flow.stats(q)[:3] == (5, 10, True)  # above its stop threshold: flow on
+    # Each message's size: exchange "" 1 + routing key "dq" 3 + {"durable": true} 10 + body 2 = 16 bytes.
+    assert (q.count, q.nbytes) == (5, 80)
+    assert h.broker.flow.stats(q)[:3] == (5, 80, True)  # above its stop threshold: flow on
     cid = p.transfer("dq", b"new", properties=DURABLE)
     h.run()
     store.commit_inline()

@@ -12,6 +12,7 @@ itself in the set of queues with messages for their consumers.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from qflow.broker.flow import QueueSettings
@@ -181,26 +182,30 @@ class Queue:
     def dequeue(self, entry: Entry) -> None:
         """Remove one message for good (accepted, purged, overwritten) and announce it
         (to the flow limits and to the outside holders that watch dequeues)."""
-        seq, size = seq_and_size(entry)
+        self._announce_dequeue(*seq_and_size(entry))
+        if self.holders:
+            self._tell_holders((entry,))
+
+    def _announce_dequeue(self, seq: int, size: int) -> None:
+        """One message's dequeue, counted and announced to the flow limit (its hold here, if any, released)."""
         self.count -= 1
         self.nbytes -= size
         self.total_dequeues += 1
         self.byte_total_dequeues += size
         self.control.log += pack_op(OP_DEQUEUE, self.slot, size, self.flow.release_token(seq), 0)
         self.control.log_seqs.append(None)
-        if self.holders:
-            for holder in self.holders:
-                if holder.dequeued is not None:
-                    holder.dequeued(self, (entry,))
+
+    def _tell_holders(self, entries: Sequence[Entry]) -> None:
+        for holder in self.holders:
+            if holder.dequeued is not None:
+                holder.dequeued(self, entries)
 
     def dequeue_many(self, entries: list[Entry]) -> None:
         """Dequeue several: those whose transfer is held here one by one (their
         holds are released), the rest announced as one OP_DEQUEUE_N; the outside
         holders that watch dequeues are told of all of them at once."""
         if self.holders:
-            for holder in self.holders:
-                if holder.dequeued is not None:
-                    holder.dequeued(self, entries)
+            self._tell_holders(entries)
         tokens = self.flow.tokens
         if not tokens:  # the usual case: no transfer held here
             n, nbytes = len(entries), total_size(entries)
@@ -209,12 +214,7 @@ class Queue:
             for e in entries:
                 seq, size = seq_and_size(e)
                 if seq in tokens:  # as dequeue(), but the holders were told above
-                    self.count -= 1
-                    self.nbytes -= size
-                    self.total_dequeues += 1
-                    self.byte_total_dequeues += size
-                    self.control.log += pack_op(OP_DEQUEUE, self.slot, size, tokens.pop(seq), 0)
-                    self.control.log_seqs.append(None)
+                    self._announce_dequeue(seq, size)
                 else:
                     n += 1
                     nbytes += size

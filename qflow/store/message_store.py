@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, seq_and_size, seq_of
+from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, scan_entries, seq_of
 from qflow.store.journal import Batch, Journal
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ log = logging.getLogger("qflow.store")
 
 
 _ONLY_DURABLE = msgpack.packb({"durable": True})
+_ONLY_DURABLE_LEN = len(_ONLY_DURABLE)
+_BIN_HEADS = (2, 3, 5)  # a bin8, bin16 or bin32 header
 
 
 def _str_end(entry: Entry, pos: int) -> int:
@@ -58,20 +60,22 @@ def _str_end(entry: Entry, pos: int) -> int:
 def is_persistent(entry: Entry) -> bool:
     """Whether the message stored as ``entry`` has the property ``"durable": true``.
     The properties map is found without decoding anything else (it lies between
-    the routing key and the body, whose size the entry's head gives), and is
-    decoded only if it mentions ``durable``: a transient message costs two
-    length reads and a substring search."""
+    the routing key and the body's bin header), and is decoded only if it
+    mentions ``durable``: a transient message costs two length reads, a scan
+    for its body and a substring search."""
     props = _str_end(entry, _str_end(entry, ENTRY_HEAD_SIZE))
     if entry[props] == 0xC0:  # nil: no properties
         return False
-    size = seq_and_size(entry)[1]
-    end = len(entry) - size - (2 if size < 0x100 else 3 if size < 0x10000 else 5)  # the body's bin head
-    region = entry[props:end]
-    if region == _ONLY_DURABLE:  # what the client sends for durable=True and nothing else
-        return True
+    # The head's size counts the message's header, not its body's length
+    # (qflow.protocol.entries.message_size): the scan says where the body starts.
+    region = entry[props:scan_entries(entry, 1)[1]]  # the properties, then the body's bin header
+    if region[:_ONLY_DURABLE_LEN] == _ONLY_DURABLE and len(region) - _ONLY_DURABLE_LEN in _BIN_HEADS:
+        return True  # what the client sends for durable=True and nothing else
     if b"durable" not in region:
         return False
-    properties = msgpack.unpackb(region, raw=False, strict_map_key=False)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(region)
+    properties = unpacker.unpack()
     return isinstance(properties, dict) and properties.get("durable") is True
 
 
