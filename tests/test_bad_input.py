@@ -79,8 +79,9 @@ READY = re.compile(r"qflowd ready port=(\d+) mgmt-port=(\d+)\n\Z")
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[Daemon]:
     stderr_path = tmp_path_factory.mktemp("qflowd") / "stderr.log"
+    data_dir = tmp_path_factory.mktemp("qflowd-data")  # never the default ~/.qflowd: suites may run side by side
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([*qflowd_command(), "--port", "0", "--log-level", "warning"],
+        proc = subprocess.Popen([*qflowd_command(), "--port", "0", "--log-level", "warning", "--data-dir", str(data_dir)],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     line = read_first_line(proc)
     match = READY.match(line)
