@@ -554,8 +554,8 @@ async def test_frame_within_negotiated_max_frame_size_is_fine(daemon, healthy):
 
 # -- the qflowd process ----------------------------------------------------------------------------
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_qflowd_ready_line_and_clean_exit(signum):
-    proc = subprocess.Popen([*qflowd_command(), "--port", "0"], stdout=subprocess.PIPE,
+def test_qflowd_ready_line_and_clean_exit(signum, tmp_path):
+    proc = subprocess.Popen([*qflowd_command(), "--port", "0", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         line = read_first_line(proc)
@@ -593,7 +593,7 @@ def test_qflowd_ready_line_and_clean_exit(signum):
     ["--port", "many"],
 ])
 def test_qflowd_bad_option(args):
-    done = subprocess.run([*qflowd_command(), *args], capture_output=True, text=True, timeout=TIMEOUT,
+    done = subprocess.run([*qflowd_command(), "--no-data-dir", *args], capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ})
     assert done.returncode == 2, done
     assert done.stdout == ""
