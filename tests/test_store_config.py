@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 import qflow
 from qflow.store.config import CONFIG_NAME, frame
@@ -88,6 +89,20 @@ def test_sigkill_leaves_no_stale_lock(data_dir: Path) -> None:
     finally:
         second.stop()
     assert oct(data_dir.stat().st_mode & 0o777) == oct(0o700)
+
+
+@pytest.mark.parametrize("bad", ["file", "empty"])
+def test_a_data_dir_that_cannot_be_one_is_refused(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    args = ["--data-dir", str(path)] if bad == "file" else ["--data-dir", ""]
+    done = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == (1 if bad == "file" else 2)
+    last = done.stderr.splitlines()[-1]
+    assert (f"qflowd: cannot create data directory {path}" if bad == "file" else "qflowd: --data-dir must name") \
+        in last, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_no_data_dir_keeps_nothing(tmp_path: Path) -> None:
@@ -263,6 +278,12 @@ async def test_exclusive_and_auto_delete_durable_queues(data_dir: Path) -> None:
                 await ssn.declare_queue("mine", durable=True, exclusive=True)
                 await ssn.declare_queue("auto", durable=True, auto_delete=True)
                 await ssn.receiver("auto")
+                async with qflow.open_connection("127.0.0.1", d.port) as other:
+                    await (await other.session()).declare_queue("owner-left", durable=True, exclusive=True)
+                # Its owner gone while the broker runs: deleted, and that is recorded (the restart below).
+                with trio.fail_after(TIMEOUT):
+                    while "owner-left" in queue_names(d):
+                        await trio.sleep(0.05)
                 d.proc.terminate()  # a clean stop while "mine"'s owner and "auto"'s consumer are still there
                 assert d.proc.wait(timeout=TIMEOUT) == 0
                 await ssn.sync()
@@ -286,6 +307,29 @@ async def test_exclusive_and_auto_delete_durable_queues(data_dir: Path) -> None:
     d = qflowd(data_dir)
     try:
         assert queue_names(d) == {"mine"}
+    finally:
+        d.stop()
+
+
+async def test_the_log_is_compacted_while_changes_churn(data_dir: Path) -> None:
+    """Declaring and deleting durable queues without end must not grow the log
+    without end: once dead records dominate it is rewritten with the live ones."""
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("keep", durable=True, arguments={"qpid.max_count": 7})
+            for i in range(700):
+                await ssn.declare_queue(f"churn-{i}", durable=True)
+                await ssn.delete_queue(f"churn-{i}")
+        one_pair = len(frame(["queue", "churn-100", False, {}])) + len(frame(["queue-deleted", "churn-100"]))
+        assert (data_dir / CONFIG_NAME).stat().st_size < 700 * one_pair // 2
+    finally:
+        d.kill()
+    d = qflowd(data_dir)
+    try:
+        assert queue_names(d) == {"keep"}
+        assert api(d, "GET", "/api/queues/keep")[1]["arguments"] == {"qpid.max_count": 7}
     finally:
         d.stop()
 
