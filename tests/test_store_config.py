@@ -422,12 +422,16 @@ def test_a_recovered_queue_the_broker_now_refuses_stops_the_start(data_dir: Path
 
 
 async def test_a_store_that_cannot_write_refuses_the_change_and_the_broker_is_unharmed(data_dir: Path) -> None:
+    auto = "auto-" + "a" * 100  # its deletion's record cannot fit in what the limit leaves either
     d = start("--data-dir", str(data_dir))  # no log file: the file-size limit below would cut it too
     try:
-        size = (data_dir / CONFIG_NAME).stat().st_size
-        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (size + 200, resource.RLIM_INFINITY))  # soft: it can be raised again
         async with qflow.open_connection("127.0.0.1", d.port) as conn:
             ssn = await conn.session()
+            await ssn.declare_queue(auto, durable=True, auto_delete=True)
+            auto_receiver = await (await conn.session()).receiver(auto)
+            # A soft limit on the size of any file qflowd writes: writes past it fail with EFBIG.
+            size = (data_dir / CONFIG_NAME).stat().st_size
+            resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (size + 200, resource.RLIM_INFINITY))
             kept = []
             with pytest.raises(qflow.ResourceLimitExceeded) as refused:
                 for i in range(20):
@@ -443,13 +447,16 @@ async def test_a_store_that_cannot_write_refuses_the_change_and_the_broker_is_un
             status, body = api(d, "PUT", f"/api/exchanges/{long_name}", {"type": "direct", "durable": True})
             assert status == 409 and "could not write it" in body["error"]
             assert long_name not in exchange_types(d)
+            # A deletion the broker makes by itself cannot be refused: it happens, unrecorded.
+            await auto_receiver.close()
+            assert auto not in queue_names(d)
             resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
             await ssn.declare_queue("after", durable=True)  # the cut-off record left nothing behind
     finally:
         d.kill()
     d = qflowd(data_dir)
     try:
-        assert queue_names(d) == {*kept, "after"}
+        assert queue_names(d) == {*kept, "after", auto}  # the unrecorded deletion is undone by the restart
     finally:
         d.stop()
     assert "is bad" not in d.log()
