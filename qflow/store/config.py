@@ -222,7 +222,12 @@ class ConfigStore(ConfigHooks):
                       "%d bytes from there to the end; the damaged file is kept as %s",
                       path, good, why, count, len(data) - good, kept.name)
             try:
-                os.replace(path, kept)
+                # A second name for the damaged file, not a rename: until the good prefix is rewritten
+                # under the log's name (atomically, below), a crash must still find a log there.
+                os.link(path, kept)
+            except FileExistsError:
+                if not os.path.samefile(path, kept):  # the same file is kept already if a crash cut this short
+                    raise ConfigError(f"cannot keep the damaged {path}: {kept.name} exists") from None
             except OSError as exc:
                 raise ConfigError(f"cannot keep the damaged {path} as {kept.name}: {exc.strerror or exc}") from None
         store = cls(path, config, -1, 0, 0)
