@@ -192,10 +192,11 @@ class ConfigStore(ConfigHooks):
     left as it was.
     """
 
-    def __init__(self, path: Path, config: DurableConfig, fd: int, size: int, records: int) -> None:
+    def __init__(self, path: Path, config: DurableConfig, fd: int | None = None, size: int = 0,
+                 records: int = 0) -> None:
         self.path = path
         self.config = config
-        self._fd: int | None = fd
+        self._fd = fd  # open for writing at _size; None until open() has a whole log
         self._size = size  # bytes of whole, synced records: the next record goes here
         self._records = records
         self._broken: str | None = None  # why appending is no longer safe
@@ -230,17 +231,15 @@ class ConfigStore(ConfigHooks):
                     raise ConfigError(f"cannot keep the damaged {path}: {kept.name} exists") from None
             except OSError as exc:
                 raise ConfigError(f"cannot keep the damaged {path} as {kept.name}: {exc.strerror or exc}") from None
-        store = cls(path, config, -1, 0, 0)
         if data is None or why is not None or count > config.live + 1:
-            store._fd = None
+            store = cls(path, config)
             store._rewrite()
-        else:
-            try:
-                store._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                raise ConfigError(f"cannot open {path}: {exc.strerror or exc}") from None
-            store._size, store._records = good, count
-        return store
+            return store
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ConfigError(f"cannot open {path}: {exc.strerror or exc}") from None
+        return cls(path, config, fd, good, count)
 
     def restore(self, broker: Broker) -> tuple[int, int, int]:
         """Declare the durable configuration into ``broker`` (fresh, with no
