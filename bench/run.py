@@ -36,9 +36,9 @@ def spin_loop() -> float:
     return time.perf_counter() - t0
 
 
-def start_broker(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    d = qflowd.start("--log-level", "warning", *args, env=env)
-    return d.proc, d.port
+def start_broker(*args: str, env: dict | None = None) -> qflowd.Daemon:
+    """A fresh qflowd; its ``stop()`` also removes the temporary data directory start() gave it."""
+    return qflowd.start("--log-level", "warning", *args, env=env)
 
 
 def rss_peak_bytes(pid: int) -> int:
@@ -174,7 +174,8 @@ def throughput(count: int, size: int, arguments: dict | None = None, env: dict |
     """One producer and one consumer through one queue: msgs/s end to end, from
     the producer's first send to the consumer's last fetch (both processes
     started and connected before, as bench/compare measures)."""
-    proc, port = start_broker(env=env)
+    d = start_broker(env=env)
+    proc, port = d.proc, d.port
     try:
         trio.run(_declare, port, "bench", arguments or {})
         consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style)
@@ -186,8 +187,7 @@ def throughput(count: int, size: int, arguments: dict | None = None, env: dict |
         return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3),
                 "broker_peak_rss": rss_peak_bytes(proc.pid), "flow_stopped_count": stats["flowStoppedCount"]}
     finally:
-        proc.terminate()
-        proc.wait()
+        d.stop()
 
 
 def rss_now(pid: int) -> int:
@@ -200,7 +200,8 @@ def rss_now(pid: int) -> int:
 
 def queued_memory(count: int) -> dict:
     """Broker RSS per queued 64-byte message, with ``count`` messages queued."""
-    proc, port = start_broker()
+    d = start_broker()
+    proc, port = d.proc, d.port
     try:
         trio.run(_declare, port, "held", {"qpid.max_size": 0, "qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0})
         before = rss_now(proc.pid)
@@ -209,8 +210,7 @@ def queued_memory(count: int) -> dict:
         return {"rss_bytes_per_queued_msg": round((after - before) / count, 1), "queued": count,
                 "broker_rss_bytes": after}
     finally:
-        proc.terminate()
-        proc.wait()
+        d.stop()
 
 
 def method_line(count: int, rounds: int) -> str:

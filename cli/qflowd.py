@@ -1,11 +1,14 @@
 """qflowd: the qflow broker.
 
-    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672
+    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--data-dir DIR | --no-data-dir]
 
+The data directory (default ~/.qflowd) keeps the durable configuration across
+restarts and is locked: a second qflowd on it exits 1, naming the holder's PID.
 Prints ``qflowd ready port=P mgmt-port=M`` once both the protocol port and
 the management HTTP port (qflow.management) listen. SIGINT/SIGTERM stop it
 cleanly (exit 0); a bad option exits 2 with a one-line message; a port that
-cannot be bound exits 1 with a one-line message.
+cannot be bound, or a data directory that cannot be used, exits 1 with a
+one-line message.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 from qflow.server.daemon import ListenError, run
+from qflow.store import StoreError
+
+DEFAULT_DATA_DIR = "~/.qflowd"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="flow resume threshold, percent of a queue's maximum (default 70)")
     p.add_argument("--default-queue-limit", type=int, default=104857600, metavar="BYTES",
                    help="maximum size of queues declared without qpid.max_size; 0 = none (default 104857600)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
+                       help="where durable queues, exchanges and bindings are kept; created if missing, and locked "
+                            f"(default {DEFAULT_DATA_DIR})")
+    where.add_argument("--no-data-dir", dest="data_dir", action="store_const", const=None,
+                       help="keep nothing: every queue and exchange is gone after a restart")
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be 0..65535, not {args.port}")
@@ -58,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--mgmt-port must be 0..65535, not {args.mgmt_port}")
     if not 0 < args.mgmt_timeout < 86400:
         p.error(f"--mgmt-timeout must be more than 0 seconds and less than a day, not {args.mgmt_timeout:g}")
+    if args.data_dir == "":
+        p.error("--data-dir must name a directory (or use --no-data-dir)")
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     try:
@@ -75,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: BaseException | None = None
     try:
         trio.run(run, args)
-    except* ListenError as group:  # trio wraps what the nursery raised
+    except* (ListenError, StoreError) as group:  # trio wraps what the nursery raised
         failed = group
         while isinstance(failed, BaseExceptionGroup):
             failed = failed.exceptions[0]

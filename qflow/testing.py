@@ -7,14 +7,20 @@
 * :func:`start`: a real ``qflowd`` as a child process, on free loopback ports;
   it returns once its ready line (``qflowd ready port=P mgmt-port=M``) has been
   read. ``Daemon.stop()`` stops that process, by its PID, and nothing else.
+  Each gets a fresh temporary data directory of its own (removed by ``stop()``)
+  unless ``--data-dir`` or ``--no-data-dir`` is given: tests and benchmarks never
+  touch ``~/.qflowd``, and suites running side by side never share one.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -36,6 +42,7 @@ class Daemon:
     port: int
     mgmt_port: int
     log_path: str | None = None  # where its stderr goes, if a file
+    own_data_dir: str | None = None  # the temporary data directory start() made for it, removed by stop()
 
     @property
     def address(self) -> str:
@@ -47,8 +54,24 @@ class Daemon:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash or a power cut would end it: nothing is flushed or
+        closed. Its temporary data directory stays until :meth:`stop`."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
+        """SIGTERM, then SIGKILL if it has not exited within 10 s; then its
+        temporary data directory, if start() made one, is removed."""
+        try:
+            self._stop()
+        finally:
+            if self.own_data_dir is not None:
+                shutil.rmtree(self.own_data_dir, ignore_errors=True)
+                self.own_data_dir = None
+
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -63,8 +86,24 @@ class Daemon:
 def start(*args: str, env: dict[str, str] | None = None, log: str | None = None,
           timeout: float = 30) -> Daemon:
     """Start qflowd with ``args`` on a free protocol port (and, unless ``args``
-    say otherwise, a free management port). Its stderr goes to the file
-    ``log``, or nowhere: a pipe nobody reads would fill and block it."""
+    say otherwise, a free management port) and a fresh temporary data
+    directory (unless ``args`` give ``--data-dir`` or ``--no-data-dir``). Its
+    stderr goes to the file ``log``, or nowhere: a pipe nobody reads would fill
+    and block it."""
+    own_data_dir = None
+    if not any(a in ("--data-dir", "--no-data-dir") or a.startswith("--data-dir=") for a in args):
+        own_data_dir = tempfile.mkdtemp(prefix="qflowd-data-")
+        args = ("--data-dir", own_data_dir, *args)
+    try:
+        return _start(args, env, log, timeout, own_data_dir)
+    except BaseException:
+        if own_data_dir is not None:
+            shutil.rmtree(own_data_dir, ignore_errors=True)
+        raise
+
+
+def _start(args: tuple[str, ...], env: dict[str, str] | None, log: str | None, timeout: float,
+           own_data_dir: str | None) -> Daemon:
     stderr: IO | int = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:
         proc = subprocess.Popen(
@@ -87,7 +126,7 @@ def start(*args: str, env: dict[str, str] | None = None, log: str | None = None,
         detail = open(log).read() if log else ""  # noqa: SIM115
         raise RuntimeError(f"qflowd did not start: {line!r} {detail}")
     fields = dict(item.split("=") for item in line.split()[2:])
-    return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log)
+    return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log, own_data_dir)
 
 
 # -- the in-memory harness -----------------------------------------------------------------------------

@@ -79,8 +79,9 @@ READY = re.compile(r"qflowd ready port=(\d+) mgmt-port=(\d+)\n\Z")
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Iterator[Daemon]:
     stderr_path = tmp_path_factory.mktemp("qflowd") / "stderr.log"
+    data_dir = tmp_path_factory.mktemp("qflowd-data")  # never the default ~/.qflowd: suites may run side by side
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([*qflowd_command(), "--port", "0", "--log-level", "warning"],
+        proc = subprocess.Popen([*qflowd_command(), "--port", "0", "--log-level", "warning", "--data-dir", str(data_dir)],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     line = read_first_line(proc)
     match = READY.match(line)
@@ -555,8 +556,8 @@ async def test_frame_within_negotiated_max_frame_size_is_fine(daemon, healthy):
 
 # -- the qflowd process ----------------------------------------------------------------------------
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_qflowd_ready_line_and_clean_exit(signum):
-    proc = subprocess.Popen([*qflowd_command(), "--port", "0"], stdout=subprocess.PIPE,
+def test_qflowd_ready_line_and_clean_exit(signum, tmp_path):
+    proc = subprocess.Popen([*qflowd_command(), "--port", "0", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         line = read_first_line(proc)
@@ -594,7 +595,7 @@ def test_qflowd_ready_line_and_clean_exit(signum):
     ["--port", "many"],
 ])
 def test_qflowd_bad_option(args):
-    done = subprocess.run([*qflowd_command(), *args], capture_output=True, text=True, timeout=TIMEOUT,
+    done = subprocess.run([*qflowd_command(), "--no-data-dir", *args], capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ})
     assert done.returncode == 2, done
     assert done.stdout == ""

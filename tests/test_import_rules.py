@@ -6,7 +6,9 @@ under ``if TYPE_CHECKING:``), so a rule broken anywhere fails here.
     broker        the model: protocol only, no trio, no I/O
     client        trio client: protocol only
     management    HTTP API and metrics: protocol and broker
-    server        trio network side and qflowd's composition: protocol, broker, management
+    store         the durable store (data directory, configuration, journal): protocol and
+                  broker; synchronous file I/O, no trio
+    server        trio network side and qflowd's composition: protocol, broker, management, store
     testing       harnesses for tests and benchmarks: anything below it
     spark         the Spark data source: the public client API
     cli           the command-line tools: anything
@@ -31,12 +33,12 @@ ALLOWED = {
     "broker": {"broker", "protocol", NATIVE},
     "client": {"client", "protocol", NATIVE},
     "management": {"management", "broker", "protocol", "version"},
-    "server": {"server", "management", "broker", "protocol", "store"},
     "store": {"store", "broker", "protocol", NATIVE},  # the durable store: no trio (the server runs its syncs)
-    "testing": {"testing", "server", "management", "broker", "client", "protocol"},
+    "server": {"server", "management", "store", "broker", "protocol"},
+    "testing": {"testing", "server", "management", "store", "broker", "client", "protocol"},
     "spark": {"spark", "api", "client", "protocol"},
     "api": {"api", "version", "client", "broker", "protocol"},  # qflow/__init__.py: the public names
-    "cli": {"cli", "api", "version", "server", "management", "broker", "client", "protocol"},
+    "cli": {"cli", "api", "version", "server", "management", "store", "broker", "client", "protocol"},
 }
 FORBIDDEN_THIRD_PARTY = {"protocol": {"trio", "h11"}, "broker": {"trio", "h11"}, "store": {"trio", "h11"}}
 

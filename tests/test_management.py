@@ -595,7 +595,7 @@ def test_qflowd_serves_the_api_on_its_ready_line_port() -> None:
 
 def test_qflowd_management_options() -> None:
     for bad in (["--mgmt-port", "70000"], ["--mgmt-port", "x"], ["--mgmt-timeout", "0"]):
-        proc = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", *bad],
+        proc = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", "--no-data-dir", *bad],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (bad, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and "qflowd:" in proc.stderr
@@ -604,7 +604,8 @@ def test_qflowd_management_options() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", "--mgmt-port", str(port)],
+        proc = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", "--no-data-dir",
+                               "--mgmt-port", str(port)],
                               capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (management)" in proc.stderr

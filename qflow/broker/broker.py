@@ -22,6 +22,7 @@ import msgpack
 
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
+from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
 from qflow.broker.flow import FlowDefaults, SettingsError, resolve, resume_without_stop
@@ -72,6 +73,8 @@ class Broker:
         self._delivery = Delivery(self._dirty_sessions)
         self.on_queue_deleted: list[Callable[[Queue], None]] = []
         self.on_queue_declared: list[Callable[[Queue], None]] = []  # after a queue is created (the store)
+        # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
+        self.config_hooks = ConfigHooks()
 
     @property
     def acct(self) -> Accounting:
@@ -427,6 +430,7 @@ class Broker:
         except SettingsError as exc:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.declare {name!r}: {exc}") from None
         self._warn_resume_without_stop(name, arguments)
+        self.config_hooks.declare_queue(name, durable, auto_delete, arguments)
         q = Queue(name, durable, exclusive, auto_delete, arguments, settings, self.flow.add_queue(settings),
                   self.flow, self._ready, owner if exclusive else None)
         self.flow.attach(q)
@@ -450,6 +454,7 @@ class Broker:
         except SettingsError as exc:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.modify {q.name!r}: {exc}") from None
         self._warn_resume_without_stop(q.name, merged)
+        self.config_hooks.modify_queue(q, merged)
         completions = self.flow.set_thresholds(q, settings)
         q.arguments = merged
         q.set_settings(settings)
@@ -470,10 +475,21 @@ class Broker:
             raise CommandError(P.PRECONDITION_FAILED,
                                f"queue.delete: queue {name!r} is in use ({len(q.consumers)} consumers)")
         count = q.count
-        self.delete_queue_now(q)
+        self.config_hooks.delete_queue(q)  # may refuse: nothing is deleted yet
+        self.delete_queue_now(q, recorded=True)
         return count
 
-    def delete_queue_now(self, q: Queue) -> None:
+    def delete_queue_now(self, q: Queue, recorded: bool = False) -> None:
+        """Delete ``q`` now. Unless the caller has already told the config
+        hooks (``recorded``), they are told here, and a refusal is only
+        logged: the deletions the broker makes on its own (auto-delete,
+        exclusive owner gone) cannot be refused."""
+        if not recorded:
+            try:
+                self.config_hooks.delete_queue(q)
+            except CommandError as exc:
+                log.error('queue "%s" is deleted, but the store could not record it (it may come back after a '
+                          'restart): %s', q.name, exc.text)
         self._apply()
         for ex in self.exchanges.values():
             ex.unbind_queue(q)
@@ -537,6 +553,7 @@ class Broker:
                                f"exchange.declare: type must be one of {', '.join(EXCHANGE_TYPES)}, not {type_!r}")
         if name.startswith("amq."):
             raise CommandError(P.NOT_ALLOWED, f"exchange.declare: names starting with 'amq.' are reserved ({name!r})")
+        self.config_hooks.declare_exchange(name, type_, durable)
         self.exchanges[name] = new_exchange(name, type_, durable)
         return True
 
@@ -548,6 +565,7 @@ class Broker:
             raise CommandError(P.NOT_ALLOWED, f"exchange.delete: {name!r} is a built-in exchange")
         if if_unused and ex.binding_count:
             raise CommandError(P.PRECONDITION_FAILED, f"exchange.delete: exchange {name!r} has bindings")
+        self.config_hooks.delete_exchange(ex)
         for _key, q in ex.bindings():
             q.binding_count -= 1
         del self.exchanges[name]
@@ -560,13 +578,17 @@ class Broker:
         if exchange == "":
             raise CommandError(P.NOT_ALLOWED, f"{command}: the default exchange's bindings are fixed")
         q = self.queue(command, queue)
+        exists = ex.has_binding(q, key)
         if unbind:
-            changed = ex.unbind(q, key)
-            q.binding_count -= changed
-        else:
-            changed = ex.bind(q, key)
-            q.binding_count += changed
-        return changed
+            if exists:
+                self.config_hooks.unbind(ex, q, key)
+                ex.unbind(q, key)
+                q.binding_count -= 1
+        elif not exists:
+            self.config_hooks.bind(ex, q, key)
+            ex.bind(q, key)
+            q.binding_count += 1
+        return exists if unbind else not exists
 
     def bindings(self) -> list[dict[str, str]]:
         return [{"exchange": ex.name, "queue": q.name, "key": key}

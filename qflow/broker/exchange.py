@@ -38,6 +38,9 @@ class Exchange:
         self._cache.clear()
         return True
 
+    def has_binding(self, queue: Queue, key: str) -> bool:
+        return queue in self._bindings.get(key, _EMPTY)
+
     def unbind(self, queue: Queue, key: str) -> bool:
         queues = self._bindings.get(key)
         if not queues or queue not in queues:

@@ -20,7 +20,8 @@ is addressable, ``/`` as ``%2F``)::
 
 Errors are ``{"error": "..."}`` with a 4xx status: 400 bad input, 404 missing,
 405 wrong method, 409 conflict (a broker precondition, a lock, a declare that
-differs from what exists); the server adds 408/413/414/431 for requests it
+differs from what exists), and 503 when the durable store cannot record a
+change (nothing is changed then); the server adds 408/413/414/431 for requests it
 will not read. Bad input never yields a 500; a 500 means a bug in qflow, and
 is logged.
 """
@@ -72,6 +73,7 @@ _STATUS_BY_CODE = {
     P.NOT_ALLOWED: 409,
     P.RESOURCE_LIMIT_EXCEEDED: 409,
     P.INVALID_ARGUMENT: 400,
+    P.INTERNAL_ERROR: 503,  # the store cannot record a durable change (qflow.store.config): not the request's fault
 }
 
 JSON_TYPE = "application/json"
