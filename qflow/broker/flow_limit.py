@@ -152,8 +152,9 @@ def _nothing() -> None:
 
 
 class Holder:
-    """An outside holder of transfers' completion: the durable store (issue 14)
-    will be one, holding a durable message's transfer until its write is synced.
+    """An outside holder of transfers' completion: the durable store
+    (qflow.store.message_store) is one, holding a persistent message's transfer
+    until its write is synced.
 
     Queues carry it (:meth:`Queue.add_holder`). A transfer routed to any of them
     is held by it once, however many of its queues carry it: the store writes a
