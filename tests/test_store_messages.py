@@ -19,6 +19,7 @@ import pytest
 import trio
 
 import qflow
+from qflow.store.config import CONFIG_NAME
 from tests.test_store_config import api, qflowd
 
 TIMEOUT = 60
@@ -197,6 +198,45 @@ async def test_qflow_send_durable_yes_end_to_end(data_dir: Path) -> None:
     assert all(m.durable and m.redelivered for m in got)
 
 
+async def test_messages_of_a_queue_missing_from_the_configuration_are_kept_until_it_is_declared(
+        data_dir: Path) -> None:
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("lost", durable=True)
+            sender = ssn.sender("lost", capacity=10, durable=True)
+            await sender.send_many([b"1", b"2", b"3"])
+            await sender.sync()
+    finally:
+        d.kill()
+    (data_dir / CONFIG_NAME).unlink()  # a configuration lost (say, restored from an old backup)
+    d = qflowd(data_dir)
+    try:
+        assert "store: 3 recovered messages for queue 'lost', which is not declared: kept in the journal" in d.log()
+        assert "recovered 0 messages on 0 queues" in d.log()
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("lost")  # not durable: the messages stay where they are
+            await ssn.delete_queue("lost")
+            await ssn.declare_queue("lost", durable=True)
+            assert (await ssn.query_queue("lost"))["msgDepth"] == 3
+            # New messages are numbered after the recovered ones: none takes a kept one's place.
+            sender = ssn.sender("lost", capacity=10, durable=True)
+            await sender.send(b"4")
+            await sender.sync()
+            got = await browse(ssn, "lost")
+            assert ids(got) == [1, 2, 3, 4] and [m.redelivered for m in got] == [True, True, True, False]
+    finally:
+        d.kill()
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            assert ids(await browse(await conn.session(), "lost")) == [1, 2, 3, 4]
+    finally:
+        d.stop()
+
+
 # -- a journal that cannot be written ----------------------------------------------------------------------
 async def test_a_failed_journal_write_stops_qflowd_and_completes_nothing_undurably(data_dir: Path) -> None:
     d = qflowd(data_dir)
@@ -241,29 +281,31 @@ class Stream:
 
     def __init__(self) -> None:
         self.next = 0  # the number of the next message sent
-        self.completed: list[range] = []  # per cycle: the numbers whose transfers completed
+        self.completed: list[list[int]] = []  # per cycle: the numbers whose transfers completed
         self.accepted: set[int] = set()
 
 
 async def produce(port: int, stream: Stream) -> None:
-    """Send until the broker dies. A sender's transfers to one durable queue complete in
-    order (each commit releases the holds taken before it), so those sent minus those
-    incomplete are a prefix of the numbers sent."""
-    first = stream.next
-    done = 0
+    """Send until the broker dies, then note which transfers completed, by command id:
+    completions may come out of order (a message accepted before its commit completes at
+    once), so a count of them would not say which."""
+    sent: list[tuple[int, int]] = []  # (number, command id)
+    sender = commands = None
     try:
         async with qflow.open_connection("127.0.0.1", port) as conn:
-            sender = (await conn.session()).sender("stream", capacity=100, durable=True)
-            sent = 0
+            ssn = await conn.session()
+            commands = ssn.commands
+            sender = ssn.sender("stream", capacity=100, durable=True)
             while True:
                 await sender.send(str(stream.next).encode())
+                sent.append((stream.next, commands.next_id - 1))  # the session's only commands are these
                 stream.next += 1
-                sent += 1
-                done = sent - sender.incomplete
     except (qflow.QflowError, OSError):
         pass  # the SIGKILL
     finally:
-        stream.completed.append(range(first, first + done))
+        # The connection is gone: no completion can arrive any more, so this is final.
+        stream.completed.append([n for n, cid in sent if commands is not None
+                                 and commands.owner_of(cid) is not sender])
 
 
 async def consume(port: int, stream: Stream) -> None:
