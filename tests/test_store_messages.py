@@ -102,6 +102,29 @@ async def test_persistent_messages_on_durable_queues_survive_a_sigkill_and_nothi
         d.stop()
 
 
+async def test_a_durable_senders_send_may_be_transient_and_sigterm_keeps_what_completed(data_dir: Path) -> None:
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", durable=True)
+            sender = ssn.sender("q", capacity=10, durable=True)
+            await sender.send(b"t1", durable=False)
+            await sender.send_many([b"t2", b"t3"], durable=False)
+            await sender.send(b"p1")
+            await sender.send_many([b"p2", b"p3"])
+            await sender.sync()
+    finally:
+        d.stop()
+    assert d.proc.returncode == 0
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            assert [m.body for m in await browse(await conn.session(), "q")] == [b"p1", b"p2", b"p3"]
+    finally:
+        d.stop()
+
+
 async def test_accepted_messages_stay_gone_and_only_an_unsynced_tail_comes_back(data_dir: Path) -> None:
     d = qflowd(data_dir)
     try:
