@@ -1,7 +1,7 @@
 """qflow-send: send messages to a qflow broker, as qpid-send does to qpidd.
 
     qflow-send -b HOST:PORT -a ADDRESS [--messages N] [--content-string S | --content-size N |
-               --content-stdin] [--capacity N] [--durable] [--send-rate N] [--report-total]
+               --content-stdin] [--capacity N] [--durable yes|no] [--send-rate N] [--report-total]
 
 ADDRESS is a queue name (sent through the default exchange) or
 ``EXCHANGE/ROUTING-KEY``; it must exist, as a Qpid address must resolve.
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=positive, default=1000, metavar="N",
                    help="transfers that may be incomplete at once: the sender window (default 1000)")
     p.add_argument("--durable", type=yes_no, nargs="?", const=True, default=False, metavar="yes|no",
-                   help="mark messages durable")
+                   help="mark messages persistent: kept across a restart on a durable queue, and each "
+                        "transfer completes only once it is on disk (default no)")
     p.add_argument("--send-rate", type=positive_float, metavar="N", help="send at most N messages a second")
     p.add_argument("--flow-timeout", type=positive_float, metavar="SECS",
                    help="give up (exit 1) after waiting SECS for broker flow control (default: wait)")
@@ -93,14 +94,14 @@ async def send(args: argparse.Namespace, host: str, port: int) -> tuple[int, int
         else:
             await ssn.query_queue(args.address)
         sender = ssn.sender(args.address, capacity=args.capacity, rate=args.send_rate,
-                            flow_timeout=args.flow_timeout)
+                            flow_timeout=args.flow_timeout, durable=args.durable)
         total = None if args.content_stdin else (1 if args.messages is None else args.messages)
         bar = progress_bar(total, PROG, total is None or total >= PROGRESS_MIN)
         started = trio.current_time()
         sent = nbytes = 0
         try:
             for body in bodies(args):
-                await sender.send(body, durable=args.durable)
+                await sender.send(body)
                 sent += 1
                 nbytes += len(body)
                 bar.update()

@@ -72,11 +72,13 @@ class Sender:
     """Sends to one address (Session.sender makes one). At most ``capacity``
     of its transfers are incomplete at once: ``send`` waits while that many
     are, and the broker holds completions back while a destination queue's
-    flow is stopped."""
+    flow is stopped. ``durable``: whether its messages are persistent unless a
+    send says otherwise."""
 
     def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
-                 flow_notify: float, flow_timeout: float | None) -> None:
+                 flow_notify: float, flow_timeout: float | None, durable: bool = False) -> None:
         self.session = session
+        self.durable = durable
         self._exchange = exchange
         self._routing_key = routing_key
         self._set_head()
@@ -133,10 +135,14 @@ class Sender:
         self.session.check()
 
     async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
-                   correlation_id: str | None = None, content_type: str | None = None, durable: bool = False,
+                   correlation_id: str | None = None, content_type: str | None = None, durable: bool | None = None,
                    headers: dict[str, Any] | None = None) -> None:
         """Send one message; waits while ``capacity`` transfers are incomplete.
+        ``durable`` (default: the sender's) marks it persistent: on a durable
+        queue its transfer completes only once the broker has it on disk.
         Raises the broker's error for an earlier transfer that it refused."""
+        if durable is None:
+            durable = self.durable
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
@@ -189,7 +195,7 @@ class Sender:
 
     async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
                         message_id: str | None = None, correlation_id: str | None = None,
-                        content_type: str | None = None, durable: bool = False,
+                        content_type: str | None = None, durable: bool | None = None,
                         headers: dict[str, Any] | None = None) -> int:
         """Send one message per body, in order, all with the same routing key and
         properties; returns how many were sent. The same as calling ``send`` for
@@ -198,6 +204,8 @@ class Sender:
         message: transfers are encoded in runs as long as the window allows.
         A refusal of an earlier transfer is raised, and the bodies not yet sent
         then are not sent."""
+        if durable is None:
+            durable = self.durable
         if self._interval:  # paced: one at a time is the point
             n = 0
             for body in bodies:

@@ -166,12 +166,13 @@ class Session:
         await self._call(P.SYNC)
 
     def sender(self, address: str, *, capacity: int = 1000, rate: float | None = None,
-               flow_notify: float = 5.0, flow_timeout: float | None = None) -> Sender:
-        """A sender to ``address``: a queue name (default exchange) or ``EXCHANGE/ROUTING-KEY``."""
+               flow_notify: float = 5.0, flow_timeout: float | None = None, durable: bool = False) -> Sender:
+        """A sender to ``address``: a queue name (default exchange) or ``EXCHANGE/ROUTING-KEY``.
+        ``durable=True``: its messages are persistent unless a send says ``durable=False``."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         exchange, _, key = address.partition("/") if "/" in address else ("", "", address)
-        sender = Sender(self, exchange, key, capacity, rate, flow_notify, flow_timeout)
+        sender = Sender(self, exchange, key, capacity, rate, flow_notify, flow_timeout, durable)
         self.senders.append(sender)
         self._announce_capacity()
         return sender

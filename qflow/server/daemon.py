@@ -1,6 +1,13 @@
 """qflowd's composition root: one broker, its protocol listener and its
 management server, run until SIGINT or SIGTERM. ``qflow.cli.qflowd`` parses
 the command line and calls :func:`run`.
+
+With a data directory, start-up is: lock it, restore the durable
+configuration (``config.log``), recover the message journal (``journal/``),
+start the store's committer task, put the recovered messages back on their
+queues, and only then listen. If the committer fails (a write or a sync),
+the daemon stops with exit 1: persistent transfers could no longer be
+completed truthfully.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
+from pathlib import Path
 
 import trio
 
@@ -19,10 +27,16 @@ from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.management import ManagementApi, ManagementServer
+from qflow.protocol.entries import Entry
 from qflow.server.listener import Server
-from qflow.store import ConfigStore, DataDir
+from qflow.server.store_task import run_store
+from qflow.store import ConfigStore, DataDir, StoreError
+from qflow.store.journal import Journal
+from qflow.store.message_store import MessageStore
 
 log = logging.getLogger("qflow")
+
+JOURNAL_DIR = "journal"  # the message journal's subdirectory of the data directory
 
 
 class ListenError(Exception):
@@ -67,16 +81,59 @@ async def run(args: argparse.Namespace) -> None:
     server = Server(broker, args.max_frame_size)
     with ExitStack() as resources:
         data_dir = None
+        journal = None
         if args.data_dir is not None:
             data_dir = open_store(broker, args.data_dir, resources)
+            journal = Journal(Path(data_dir) / JOURNAL_DIR)
+            resources.callback(journal.close)  # after _serve: its nursery has waited for the last sync
         else:
             log.info("no data directory: nothing survives a restart")
-        await _serve(args, broker, server, data_dir)
+        await _serve(args, broker, server, data_dir, journal)
 
 
-async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_dir: str | None) -> None:
+def _recover(journal: Journal) -> dict[str, list[Entry]]:
+    try:
+        return journal.recover()
+    except OSError as exc:
+        raise StoreError(f"cannot read the message journal in {journal.directory}: {exc.strerror or exc}") from None
+
+
+async def _run_store(broker: Broker, journal: Journal,
+                     task_status: trio.TaskStatus[MessageStore] = trio.TASK_STATUS_IGNORED) -> None:
+    """run_store, its failure turned into StoreError: the nursery then cancels
+    everything and qflowd exits 1. Persistent transfers still held stay
+    incomplete: their producers see the connection drop, never a completion."""
+    try:
+        await run_store(broker, journal, task_status=task_status)
+    except Exception as exc:
+        log.critical("store: writing the message journal in %s failed (%s: %s); stopping: persistent messages "
+                     "can no longer be made durable", journal.directory, type(exc).__name__, exc)
+        raise StoreError(f"the message journal in {journal.directory} could not be written: {exc}") from exc
+
+
+async def _open_messages(nursery: trio.Nursery, broker: Broker, journal: Journal) -> None:
+    """Recover the journal, start the committer, put the recovered messages back
+    (the durable queues are declared already: the configuration comes first)."""
+    started = time.monotonic()
+    recovered = _recover(journal)
+    store: MessageStore = await nursery.start(_run_store, broker, journal)
+    # MessageStore.restore keeps (in the journal, undelivered) the messages of a queue that is no
+    # longer declared: deleting a queue is journalled, so that happens only if config.log lost the
+    # queue (damaged, edited), and then the messages must not be destroyed by a configuration error.
+    store.restore(recovered)
+    restored = [entries for name, entries in recovered.items()
+                if (q := broker.queues.get(name)) is not None and q.durable]
+    messages, queues = sum(len(entries) for entries in restored), len(restored)
+    log.info("recovered %d messages on %d queues from %s in %.1f ms", messages, queues, journal.directory,
+             (time.monotonic() - started) * 1000)
+
+
+async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_dir: str | None,
+                 journal: Journal | None) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            if journal is not None:
+                await _open_messages(nursery, broker, journal)
             port = await _start(nursery, "protocol", server.serve, args.host, args.port)
             options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
                        "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir}

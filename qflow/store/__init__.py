@@ -10,7 +10,7 @@ qflow.protocol, and does its file I/O synchronously, with no trio; the server
   checksummed batch records (docs/store.md).
 * ``message_store``: the journal as an outside holder of transfers'
   completion (qflow.broker.flow_limit.Holder); qflow.server.store_task runs
-  its syncs off the event loop. Not yet wired into qflowd.
+  its syncs off the event loop; qflow.server.daemon wires it (DIR/journal/).
 """
 
 from qflow.store.config import ConfigError, ConfigStore

@@ -101,6 +101,7 @@ class MessageStore:
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
         self._early: set[tuple[str, int]] = set()  # persistent messages dequeued before their hold arrived
+        self._orphans: dict[str, list[Entry]] = {}  # recovered for a queue not declared (durable) at restore()
         broker.on_queue_declared.append(self.attach)
         broker.on_queue_deleted.append(self._deleted)
         for q in list(broker.queues.values()):
@@ -111,12 +112,15 @@ class MessageStore:
         their queues, which must be declared already and empty, then apply: depth,
         bytes and flow state are recomputed. Messages of a queue that is not
         declared stay in the journal (a configuration error must not destroy
-        them) and are logged."""
+        them) and are logged; they go back on the queue if a durable queue of
+        that name is declared later (see attach)."""
         for name, entries in recovered.items():
             q = self.broker.queues.get(name)
             if q is None or not q.durable:
                 log.error("store: %d recovered messages for queue %r, which is %s: kept in the journal, "
-                          "not delivered", len(entries), name, "not declared" if q is None else "not durable")
+                          "not delivered until a durable queue %r is declared", len(entries), name,
+                          "not declared" if q is None else "not durable", name)
+                self._orphans[name] = entries
                 continue
             q.restore(entries)
         self.broker.flush()
@@ -125,6 +129,14 @@ class MessageStore:
         """Carry ``q``'s transfers if it is durable (called for every new queue)."""
         if q.durable:
             q.add_holder(self.holder)
+            orphans = self._orphans.pop(q.name, None)
+            if orphans:
+                # The journal still holds these under this name, so the new queue must own them: else
+                # its own numbering (from 1) would collide with theirs in the journal.
+                q.restore(orphans)
+                log.warning("store: durable queue %r declared: its %d messages kept in the journal are back on it",
+                            q.name, len(orphans))
+                self._wake()  # the committer's flush applies the restored enqueues
 
     def _deleted(self, q: Queue) -> None:
         if q.durable:
