@@ -1,6 +1,6 @@
 """qflow-stat: a qflow broker's statistics, as qpid-stat shows qpidd's.
 
-    qflow-stat [-b HOST:PORT] -g          broker summary (the default)
+    qflow-stat [-b HOST:PORT] -g          broker summary (the default), the store's size and quota state
     qflow-stat [-b HOST:PORT] -q          queues: depth, bytes, flow state, times stopped, held transfers
     qflow-stat [-b HOST:PORT] -c          connections, their sessions and what holds them
     qflow-stat ... --watch SECS           refresh every SECS seconds until interrupted
@@ -90,10 +90,13 @@ def general_view(api: Management, args: argparse.Namespace) -> str:
     t, o = info["totals"], info["options"]
     rows = [(f"qflowd {info['version']}", duration(info["uptimeSeconds"]), t["connections"], t["sessions"],
              t["exchanges"], t["queues"], t["msgDepth"], t["byteDepth"], t["flowStoppedQueues"], t["heldSessions"],
-             t["heldTransfers"])]
-    head = ("broker", "uptime", "conn", "sess", "exch", "queue", "msg", "bytes", "flowStopped", "heldSess", "held")
+             t["heldTransfers"], info["storeSize"], info["storeOverfull"], info["storeOverfullCount"])]
+    head = ("broker", "uptime", "conn", "sess", "exch", "queue", "msg", "bytes", "flowStopped", "heldSess", "held",
+            "storeSize", "storeOverfull", "overfulls")
+    quota = f", store quota {o['storeOverfullSize']}/{o['storeUnderfullSize']} bytes" \
+        if o.get("storeOverfullSize") else ""
     return (f"Broker Summary ({api.address}, accounting {o['accounting']}, flow defaults "
-            f"{o['defaultFlowStopThreshold']}%/{o['defaultFlowResumeThreshold']}%)\n" + table(head, rows))
+            f"{o['defaultFlowStopThreshold']}%/{o['defaultFlowResumeThreshold']}%{quota})\n" + table(head, rows))
 
 
 VIEWS = {"general": general_view, "queues": queues_view, "connections": connections_view}

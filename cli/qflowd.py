@@ -1,6 +1,7 @@
 """qflowd: the qflow broker.
 
     qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--data-dir DIR | --no-data-dir]
+           [--store-overfull-size BYTES [--store-underfull-size BYTES]] [--store-segment-size BYTES]
 
 The data directory (default ~/.qflowd) keeps the durable configuration across
 restarts and is locked: a second qflowd on it exits 1, naming the holder's PID.
@@ -25,8 +26,11 @@ from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 from qflow.server.daemon import ListenError, run
 from qflow.store import StoreError
+from qflow.store.quota import QuotaError, QuotaLimits
 
 DEFAULT_DATA_DIR = "~/.qflowd"
+DEFAULT_SEGMENT_SIZE = 32 << 20  # the journal's segment file size (docs/store.md)
+MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE = 4096, 1 << 30
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +64,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             f"(default {DEFAULT_DATA_DIR})")
     where.add_argument("--no-data-dir", dest="data_dir", action="store_const", const=None,
                        help="keep nothing: every queue and exchange is gone after a restart")
+    store = p.add_argument_group("message store quota (needs a data directory)")
+    store.add_argument("--store-overfull-size", type=int, default=0, metavar="BYTES",
+                       help="above this size of the message journal on disk, every producer of persistent "
+                            "messages is held (flow control); 0 = no quota (default 0)")
+    store.add_argument("--store-underfull-size", type=int, default=None, metavar="BYTES",
+                       help="held producers are released once the journal is below this size "
+                            "(default: the overfull size)")
+    store.add_argument("--store-segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, metavar="BYTES",
+                       help="size of the journal's segment files; the journal shrinks a segment at a time, so "
+                            f"keep the quota's two sizes several segments apart (default {DEFAULT_SEGMENT_SIZE})")
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be 0..65535, not {args.port}")
@@ -72,6 +86,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--mgmt-timeout must be more than 0 seconds and less than a day, not {args.mgmt_timeout:g}")
     if args.data_dir == "":
         p.error("--data-dir must name a directory (or use --no-data-dir)")
+    if args.data_dir is None:
+        given = [opt for opt, value in (("--store-overfull-size", args.store_overfull_size),
+                                        ("--store-underfull-size", args.store_underfull_size)) if value]
+        if given or args.store_segment_size != DEFAULT_SEGMENT_SIZE:
+            p.error(f"{(given or ['--store-segment-size'])[0]} needs a data directory: with --no-data-dir "
+                    "nothing is stored")
+    try:
+        args.store_quota = QuotaLimits(args.store_overfull_size, args.store_underfull_size)
+    except QuotaError as exc:
+        p.error(str(exc))
+    if not MIN_SEGMENT_SIZE <= args.store_segment_size <= MAX_SEGMENT_SIZE:
+        p.error(f"--store-segment-size must be {MIN_SEGMENT_SIZE}..{MAX_SEGMENT_SIZE} bytes, "
+                f"not {args.store_segment_size}")
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     try:

@@ -291,13 +291,16 @@ class ManagementApi:
 
     ``server`` is the protocol server (anything with ``connections``, each
     having ``peer``, ``name``, ``sessions`` and ``connected_at`` in trio time);
-    ``options`` are the daemon's settings to report under ``/api/broker``.
+    ``options`` are the daemon's settings to report under ``/api/broker``;
+    ``store`` is the durable message store (anything with ``stats()``, as
+    qflow.store.message_store.MessageStore), None without a data directory.
     """
 
     def __init__(self, broker: Broker, server: Any = None, options: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, store: Any = None) -> None:
         self.broker = broker
         self.server = server
+        self.store = store
         self.options = dict(options or {})
         self._clock = clock
         self.started_at = clock()
@@ -456,7 +459,8 @@ class ManagementApi:
 
     def broker_view(self, queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``views.broker_view`` with this API's server, options and start time."""
-        return broker_view(self.broker, self.server, self.options, self.started_at, self._clock(), queues)
+        return broker_view(self.broker, self.server, self.options, self.started_at, self._clock(), queues,
+                           self.store)
 
     def get_broker(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)

@@ -51,6 +51,16 @@ BROKER_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# (metric, type, help, field of the broker view): the durable store's quota (qflow.store.quota).
+STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("qflow_store_size_bytes", "gauge", "Bytes of the message journal on disk (storeSize).", "storeSize"),
+    ("qflow_store_overfull", "gauge", "1 while the store is overfull: persistent producers are held "
+     "(storeOverfull).", "storeOverfull"),
+    ("qflow_store_overfull_total", "counter", "Times the store became overfull (storeOverfullCount).",
+     "storeOverfullCount"),
+)
+
+
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -69,6 +79,8 @@ def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]]) -> str:
     family("qflow_uptime_seconds", "gauge", "Seconds since the broker started.", [("", broker["uptimeSeconds"])])
     for metric, help_, key in BROKER_METRICS:
         family(metric, "gauge", help_, [("", broker["totals"][key])])
+    for metric, type_, help_, key in STORE_METRICS:
+        family(metric, type_, help_, [("", broker[key])])
     labelled = [(f'{{queue="{_label(view["name"])}"}}', view) for view in queues]
     for metric, type_, help_, key in QUEUE_METRICS:
         family(metric, type_, help_, [(labels, view[key]) for labels, view in labelled])

@@ -135,19 +135,24 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
 
 # -- the broker as a whole ------------------------------------------------------------
 
+# The store's statistics when there is none (--no-data-dir).
+_NO_STORE = {"storeSize": 0, "storeOverfull": False, "storeOverfullCount": 0}
+
 # The queue statistics the broker view sums over every queue.
 _SUMMED = ("msgDepth", "byteDepth", "msgTotalEnqueues", "msgTotalDequeues", "byteTotalEnqueues",
            "byteTotalDequeues", "heldTransfers")
 
 
 def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at: float, now: float,
-                queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Version, uptime, the options in force and the totals.
+                queues: list[dict[str, Any]] | None = None, store: Any = None) -> dict[str, Any]:
+    """Version, uptime, the options in force, the totals and the durable store.
 
     ``options`` are the daemon's settings (ports, timeouts) to show beside the
     broker's own defaults. The totals are sums over the queue views, so they
     agree with ``/api/queues`` by construction; pass ``queues`` when the caller
-    has built them already.
+    has built them already. ``store`` (its ``stats()``: storeSize,
+    storeOverfull, storeOverfullCount) is None without a data directory: then
+    there is nothing on disk, never overfull.
     """
     if queues is None:
         queues = queue_views(broker)
@@ -169,4 +174,5 @@ def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at
             "defaultQueueLimit": d.queue_limit, "accounting": broker.acct.name,
         },
         "totals": totals,
+        **(store.stats() if store is not None else _NO_STORE),
     }

@@ -33,6 +33,7 @@ from qflow.server.store_task import run_store
 from qflow.store import ConfigStore, DataDir, StoreError
 from qflow.store.journal import Journal
 from qflow.store.message_store import MessageStore
+from qflow.store.quota import QuotaLimits
 
 log = logging.getLogger("qflow")
 
@@ -84,7 +85,7 @@ async def run(args: argparse.Namespace) -> None:
         journal = None
         if args.data_dir is not None:
             data_dir = open_store(broker, args.data_dir, resources)
-            journal = Journal(Path(data_dir) / JOURNAL_DIR)
+            journal = Journal(Path(data_dir) / JOURNAL_DIR, segment_size=args.store_segment_size)
             resources.callback(journal.close)  # after _serve: its nursery has waited for the last sync
         else:
             log.info("no data directory: nothing survives a restart")
@@ -98,25 +99,26 @@ def _recover(journal: Journal) -> dict[str, list[Entry]]:
         raise StoreError(f"cannot read the message journal in {journal.directory}: {exc.strerror or exc}") from None
 
 
-async def _run_store(broker: Broker, journal: Journal,
+async def _run_store(broker: Broker, journal: Journal, quota: QuotaLimits,
                      task_status: trio.TaskStatus[MessageStore] = trio.TASK_STATUS_IGNORED) -> None:
     """run_store, its failure turned into StoreError: the nursery then cancels
     everything and qflowd exits 1. Persistent transfers still held stay
     incomplete: their producers see the connection drop, never a completion."""
     try:
-        await run_store(broker, journal, task_status=task_status)
+        await run_store(broker, journal, quota, task_status=task_status)
     except Exception as exc:
         log.critical("store: writing the message journal in %s failed (%s: %s); stopping: persistent messages "
                      "can no longer be made durable", journal.directory, type(exc).__name__, exc)
         raise StoreError(f"the message journal in {journal.directory} could not be written: {exc}") from exc
 
 
-async def _open_messages(nursery: trio.Nursery, broker: Broker, journal: Journal) -> None:
+async def _open_messages(nursery: trio.Nursery, broker: Broker, journal: Journal,
+                         quota: QuotaLimits) -> MessageStore:
     """Recover the journal, start the committer, put the recovered messages back
     (the durable queues are declared already: the configuration comes first)."""
     started = time.monotonic()
     recovered = _recover(journal)
-    store: MessageStore = await nursery.start(_run_store, broker, journal)
+    store: MessageStore = await nursery.start(_run_store, broker, journal, quota)
     # MessageStore.restore keeps (in the journal, undelivered) the messages of a queue that is no
     # longer declared: deleting a queue is journalled, so that happens only if config.log lost the
     # queue (damaged, edited), and then the messages must not be destroyed by a configuration error.
@@ -126,18 +128,23 @@ async def _open_messages(nursery: trio.Nursery, broker: Broker, journal: Journal
     messages, queues = sum(len(entries) for entries in restored), len(restored)
     log.info("recovered %d messages on %d queues from %s in %.1f ms", messages, queues, journal.directory,
              (time.monotonic() - started) * 1000)
+    return store
 
 
 async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_dir: str | None,
                  journal: Journal | None) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            store = None
             if journal is not None:
-                await _open_messages(nursery, broker, journal)
+                store = await _open_messages(nursery, broker, journal, args.store_quota)
             port = await _start(nursery, "protocol", server.serve, args.host, args.port)
             options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
-                       "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir}
-            api = ManagementApi(broker, server, options)
+                       "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir,
+                       "storeOverfullSize": args.store_quota.overfull if journal is not None else None,
+                       "storeUnderfullSize": args.store_quota.resume if journal is not None else None,
+                       "storeSegmentSize": journal.segment_size if journal is not None else None}
+            api = ManagementApi(broker, server, options, store=store)
             mgmt = ManagementServer(api, timeout=args.mgmt_timeout)
             mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
             api.options["mgmtPort"] = mgmt_port

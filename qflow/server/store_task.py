@@ -20,19 +20,21 @@ import trio
 from qflow.broker.broker import Broker
 from qflow.store.journal import Journal
 from qflow.store.message_store import MessageStore
+from qflow.store.quota import QuotaLimits
 
 
-async def run_store(broker: Broker, journal: Journal,
+async def run_store(broker: Broker, journal: Journal, quota: QuotaLimits | None = None,
                     task_status: trio.TaskStatus[MessageStore] = trio.TASK_STATUS_IGNORED) -> None:
     """Hold ``broker``'s durable queues' transfers until ``journal`` has them
-    on disk; runs until cancelled. ``journal`` must be recovered already.
+    on disk (and, while ``quota`` says the journal is overfull, until it is
+    underfull again); runs until cancelled. ``journal`` must be recovered already.
     Reports the :class:`MessageStore` through ``task_status``."""
     poked = trio.Event()
 
     def wake() -> None:  # called on the loop, possibly inside the broker's apply: only signal
         poked.set()
 
-    store = MessageStore(broker, journal, wake)
+    store = MessageStore(broker, journal, wake, quota)
     task_status.started(store)
     while True:
         await poked.wait()

@@ -16,7 +16,9 @@ The cycle, all on the event loop except ``write_and_sync``::
     holder woken (inside an apply)     -> wake(): only a signal; nothing may be released mid-apply
     commit = store.prepare()           -> stages the holds that arrived, releases the transient ones
     journal.write_and_sync(commit.batch)     (worker thread)
-    store.finish(commit); broker.flush()     -> the persistent transfers complete
+    store.finish(commit); broker.flush()     -> the persistent transfers complete, unless the
+                                                journal is overfull (qflow.store.quota): then they
+                                                stay held until a commit brings it below underfull
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import msgpack
 
 from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, scan_entries, seq_of
 from qflow.store.journal import Batch, Journal
+from qflow.store.quota import QuotaLimits, StoreQuota
 
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker
@@ -91,12 +94,18 @@ class Commit:
 class MessageStore:
     """``journal`` (recovered already) made the holder of ``broker``'s durable
     queues. ``wake`` is called, on the loop, whenever there is something to
-    commit; it must only signal (it may be called inside the broker's apply)."""
+    commit; it must only signal (it may be called inside the broker's apply).
+    ``quota`` is the disk quota (qflow.store.quota): while the journal is
+    overfull, synced persistent transfers stay held until it is underfull."""
 
-    def __init__(self, broker: Broker, journal: Journal, wake: Callable[[], None] | None = None) -> None:
+    def __init__(self, broker: Broker, journal: Journal, wake: Callable[[], None] | None = None,
+                 quota: QuotaLimits | None = None) -> None:
         self.broker = broker
         self.journal = journal
         self._wake = wake or (lambda: None)
+        self.quota = StoreQuota(quota or QuotaLimits())
+        self.quota.update(journal.size_on_disk())  # a recovered journal may be overfull already
+        self._quota_held: list[int] = []  # synced while overfull, in commit order: released when underfull
         self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued)
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
@@ -196,7 +205,20 @@ class MessageStore:
         the persistent transfers are durable; release them (then flush the broker)."""
         if commit.batch is not None:
             self.journal.committed(commit.batch)
-        self.holder.release(commit.tokens)
+        quota = self.quota
+        # The size is checked after each commit, as the Java broker checks after each transaction: what
+        # was in flight when the limit was crossed is written anyway (best effort), and held from then on.
+        if quota.update(self.journal.size_on_disk()) and not quota.overfull:
+            self.holder.release(self._quota_held)
+            self._quota_held = []
+        if quota.overfull:
+            self._quota_held += commit.tokens
+        else:
+            self.holder.release(commit.tokens)
+
+    def stats(self) -> dict[str, int | bool]:
+        """storeSize (bytes on disk after the last commit), storeOverfull, storeOverfullCount."""
+        return self.quota.stats()
 
     def commit_inline(self) -> None:
         """prepare, write, sync and finish on the calling thread, then flush
