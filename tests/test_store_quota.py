@@ -1,0 +1,374 @@
+"""The durable store's disk quota (issue 14, qflow.store.quota): overfull and
+underfull, as the Qpid Java broker manual states them:
+
+    "Two limits can be configured: overfull limit - the maximum space on disk
+    (in bytes) which can be used by store. underfull limit - when the space on
+    disk drops below this limit, producers are allowed to resume publishing."
+
+The rule on its own, then through the in-memory harness (the store keeps
+holding synced persistent transfers while overfull), the journal's size
+falling as messages are accepted, and end to end with a real qflowd, a real
+persistent sender, /api/broker, /metrics, qflow-stat and the log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+
+import qflow
+from qflow import protocol as P
+from qflow.management import ManagementApi
+from qflow.store.journal import Journal
+from qflow.store.message_store import MessageStore
+from qflow.store.quota import QuotaError, QuotaLimits, StoreQuota
+from qflow.testing import Harness
+from tests.test_store_config import api, qflowd
+
+DURABLE = {"durable": True}
+TIMEOUT = 60
+
+
+# -- the rule -------------------------------------------------------------------------------------------------
+def test_overfull_above_the_limit_until_below_underfull(caplog: pytest.LogCaptureFixture) -> None:
+    # The manual: "overfull limit - the maximum space on disk (in bytes) which can be used by store.
+    # underfull limit - when the space on disk drops below this limit, producers are allowed to resume".
+    quota = StoreQuota(QuotaLimits(overfull=1000, underfull=600))
+    caplog.set_level(logging.INFO, "qflow.store")
+    assert not quota.update(1000)  # at the limit is not above it
+    assert not quota.overfull
+    assert quota.update(1001)
+    assert quota.overfull and quota.overfull_count == 1
+    assert "store overfull: 1001 bytes > 1000, flow control enforced" in caplog.text
+    assert not quota.update(800)  # below overfull, not yet below underfull: still overfull
+    assert not quota.update(600)  # at underfull is not below it
+    assert quota.overfull
+    assert quota.update(599)
+    assert not quota.overfull
+    assert "store overfull condition cleared" in caplog.text
+    assert not quota.update(900)  # between the two: not overfull again on the way up
+    assert quota.update(5000)
+    assert quota.stats() == {"storeSize": 5000, "storeOverfull": True, "storeOverfullCount": 2}
+
+
+def test_without_underfull_it_equals_overfull() -> None:
+    # The manual, for a queue: "Where no flowResumeCapacity is set, the flowResumeCapacity is set to be
+    # equal to the capacity"; the issue asks the same of the store.
+    quota = StoreQuota(QuotaLimits(overfull=1000))
+    assert quota.limits.resume == 1000
+    assert quota.update(1001)
+    assert not quota.update(1000)
+    assert quota.update(999) and not quota.overfull
+
+
+def test_no_quota_is_never_overfull() -> None:
+    quota = StoreQuota(QuotaLimits())
+    assert not quota.update(1 << 40)
+    assert quota.stats() == {"storeSize": 1 << 40, "storeOverfull": False, "storeOverfullCount": 0}
+
+
+@pytest.mark.parametrize(("overfull", "underfull", "message"), [
+    (-1, None, "--store-overfull-size must be 0 (no quota) or a positive number of bytes, not -1"),
+    (1000, -1, "--store-underfull-size must be 0 or a positive number of bytes, not -1"),
+    (1000, 1001, "--store-underfull-size 1001 must not be above --store-overfull-size 1000"),
+    (0, 10, "--store-underfull-size needs --store-overfull-size"),
+])
+def test_bad_limits_are_refused_naming_the_option(overfull: int, underfull: int | None, message: str) -> None:
+    with pytest.raises(QuotaError) as raised:
+        QuotaLimits(overfull, underfull)
+    assert message in str(raised.value)
+
+
+# -- the store holds while overfull (harness) -------------------------------------------------------------------
+SEGMENT = 4096
+
+
+def declare(ssn, name: str, durable: bool = True) -> None:
+    ssn.call(P.QUEUE_DECLARE, name, durable, False, False, {}, False)
+
+
+def open_store(harness: Harness, directory: Path, limits: QuotaLimits) -> MessageStore:
+    journal = Journal(directory, segment_size=SEGMENT)
+    journal.recover()
+    return MessageStore(harness.broker, journal, quota=limits)
+
+
+def test_synced_persistent_transfers_stay_held_while_overfull_and_are_released_in_order(tmp_path: Path) -> None:
+    harness = Harness()
+    p = harness.connect().session()
+    declare(p, "dq")
+    limits = QuotaLimits(overfull=3 * SEGMENT, underfull=SEGMENT)
+    store = open_store(harness, tmp_path, limits)
+    completed, held, sizes = [], [], []
+    while len(held) < 3:  # one commit per transfer: each is checked against the quota after its sync
+        cid = p.transfer("dq", b"x" * 500, properties=DURABLE)
+        harness.run()
+        store.commit_inline()
+        harness.run()
+        sizes.append(store.journal.size_on_disk())
+        (held if store.quota.overfull else completed).append(cid)
+    assert sizes[len(completed) - 1] <= limits.overfull < sizes[len(completed)]
+    assert not p.incomplete(completed)
+    assert p.incomplete(held) == held  # synced, yet held: the store is overfull
+    assert store.stats() == {"storeSize": sizes[-1], "storeOverfull": True, "storeOverfullCount": 1}
+    # A transient message on the same durable queue is not held by the quota: it adds nothing to the store.
+    transient = p.transfer("dq", b"t")
+    harness.run()
+    store.commit_inline()
+    harness.run()
+    assert p.incomplete([transient]) == []
+    # Consume: each accept is journalled, and whole segments die, until the size is below underfull.
+    c = harness.connect().session()
+    c.subscribe("dq", "d", credit=-1, accept=P.ACCEPT_EXPLICIT)
+    total = len(completed) + len(held) + 1
+    assert len(c.deliveries) == total  # held transfers' messages are on the queue: consumers get them
+    order: list[int] = []
+    for delivery in c.deliveries:  # accepted one at a time, oldest first
+        c.accept([delivery])
+        store.commit_inline()
+        harness.run()
+        order.append(store.journal.size_on_disk())
+        assert p.incomplete(held) == (held if store.quota.overfull else [])  # all at once, once underfull
+        if not store.quota.overfull:
+            break
+    assert order[-1] < limits.resume <= order[-2]
+    assert len(order) < total  # released before the queue was empty: underfull, not empty, is the rule
+    assert store.stats()["storeOverfullCount"] == 1
+
+
+def test_the_journal_shrinks_below_underfull_past_a_pinned_message(tmp_path: Path) -> None:
+    # "The size must actually fall as messages are consumed": a slow queue's one message stays at the head
+    # while another queue's traffic goes through; carry-forward moves it so the old segments die.
+    harness = Harness()
+    p = harness.connect().session()
+    declare(p, "slow")
+    declare(p, "busy")
+    store = open_store(harness, tmp_path, QuotaLimits(overfull=4 * SEGMENT, underfull=2 * SEGMENT))
+    p.transfer("slow", b"pinned" * 50, properties=DURABLE)
+    c = harness.connect().session()
+    c.subscribe("busy", "d", credit=-1, accept=P.ACCEPT_EXPLICIT)
+    biggest = 0
+    for _ in range(200):
+        p.transfer("busy", b"y" * 700, properties=DURABLE)
+        harness.run()
+        c.accept(c.deliveries)
+        c.deliveries.clear()
+        store.commit_inline()
+        harness.run()
+        biggest = max(biggest, store.journal.size_on_disk())
+    # 200 × 700 bytes went through; the journal never held more than the live message and two segments.
+    assert biggest <= 3 * SEGMENT
+    assert store.journal.size_on_disk() < 2 * SEGMENT
+    assert store.stats()["storeOverfullCount"] == 0
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.jrn"))
+    assert on_disk == store.journal.size_on_disk()
+    again = Journal(tmp_path)
+    assert [e.endswith(b"pinned" * 50) for e in again.recover()["slow"]] == [True]
+    again.close()
+
+
+# -- a real qflowd ------------------------------------------------------------------------------------------------
+QUOTA = ("--store-segment-size", "4096", "--store-overfull-size", "20000", "--store-underfull-size", "8000")
+
+
+def metrics(d) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.mgmt_port}/metrics", timeout=TIMEOUT) as response:
+        text = response.read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("qflow_store_")}
+
+
+def journal_bytes(data_dir: Path) -> int:
+    return sum(f.stat().st_size for f in (data_dir / "journal").glob("*.jrn"))
+
+
+async def wait_for(what: str, condition, timeout: float = TIMEOUT, state=None):
+    """Poll ``condition`` (run in a thread: it may do blocking HTTP) until it is truthy;
+    ``state()`` says what was seen instead, if it times out."""
+    with trio.move_on_after(timeout):
+        while True:
+            got = await trio.to_thread.run_sync(condition)
+            if got:
+                return got
+            await trio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f": {state()}" if state else ""))
+
+
+async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes_below_underfull(
+        tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    d = qflowd(data_dir, *QUOTA)
+    capacity, body = 10, b"%06d" + b"." * 400
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn, \
+                qflow.open_connection("127.0.0.1", d.port) as consumer_conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", durable=True)
+            sender = ssn.sender("q", capacity=capacity, durable=True)
+            sent = 0
+            stop = trio.Event()
+
+            async def produce() -> None:
+                nonlocal sent
+                while not stop.is_set():
+                    await sender.send(body % sent)
+                    sent += 1
+                await sender.sync()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce)
+
+                def held() -> dict | None:  # overfull, the sender's window full, everything it sent on the queue
+                    status, broker = api(d, "GET", "/api/broker")
+                    queue = api(d, "GET", "/api/queues/q")[1]
+                    if broker["storeOverfull"] and sender.incomplete == capacity and queue["msgDepth"] == sent:
+                        return broker
+                    return None
+
+                broker = await wait_for("the sender to be held by the overfull store", held)
+                stop.set()  # the send waiting now is the last one
+                stopped_at = sent
+                # Held: its whole window is incomplete, and it sends nothing more (its send waits).
+                assert broker["storeSize"] > 20000
+                assert broker["storeOverfullCount"] == 1
+                assert broker["options"]["storeOverfullSize"] == 20000
+                assert broker["options"]["storeUnderfullSize"] == 8000
+                (connection,) = [c for c in api(d, "GET", "/api/connections")[1] if c["sessions"] and
+                                 c["sessions"][0]["senderCapacity"] == capacity]
+                assert connection["sessions"][0]["incompleteCommands"] == capacity
+                assert metrics(d)["qflow_store_overfull"] == 1
+                assert metrics(d)["qflow_store_overfull_total"] == 1
+                assert metrics(d)["qflow_store_size_bytes"] == broker["storeSize"]
+                stat = await trio.to_thread.run_sync(lambda: subprocess.run(
+                    [sys.executable, "-m", "qflow.cli.qflow_stat", "-b", f"127.0.0.1:{d.mgmt_port}"],
+                    capture_output=True, text=True, timeout=TIMEOUT))
+                assert stat.returncode == 0, stat.stderr
+                head, _, row = stat.stdout.splitlines()[1:4]
+                columns = dict(zip(reversed(head.split()), reversed(row.split()), strict=False))  # "qflowd V" is two
+                assert (columns["storeOverfull"], columns["overfulls"]) == ("Y", "1")
+                assert int(columns["storeSize"]) > 20000
+                assert "store quota 20000/8000 bytes" in stat.stdout
+                assert f"store overfull: {broker['storeSize']} bytes > 20000, flow control enforced" in d.log()
+                assert sent == stopped_at
+
+                # Consume and accept: the journal shrinks, and once it is below underfull the sender goes on.
+                cssn = await consumer_conn.session()
+                receiver = await cssn.receiver("q", capacity=5)
+                got = []
+                while len(got) < stopped_at + 1:
+                    got.append((await receiver.fetch(timeout=TIMEOUT)).body)
+                await receiver.close()  # accepts the last ones fetched
+            # produce() returned: its last send went out and sender.sync() saw every transfer complete.
+            assert sent == stopped_at + 1
+            assert sender.incomplete == 0
+            assert got == [body % i for i in range(sent)]  # every message, in order: nothing lost
+
+            def drained() -> dict | None:
+                status, broker = api(d, "GET", "/api/broker")
+                if broker["totals"]["msgDepth"] == 0 and broker["storeSize"] < 8000 \
+                        and journal_bytes(data_dir) == broker["storeSize"]:
+                    return broker
+                return None
+
+            broker = await wait_for("the journal to shrink below underfull", drained,
+                                    state=lambda: (api(d, "GET", "/api/broker")[1], journal_bytes(data_dir)))
+            assert broker["storeOverfull"] is False
+            assert broker["storeOverfullCount"] == 1
+            assert metrics(d)["qflow_store_overfull"] == 0
+    finally:
+        d.stop()
+    assert d.proc.returncode == 0
+    log = d.log()
+    assert log.count("flow control enforced") == 1
+    assert log.count("store overfull condition cleared") == 1
+
+
+async def test_a_restart_on_an_overfull_journal_starts_overfull_and_keeps_the_held_messages(tmp_path: Path) -> None:
+    # Held transfers were synced before they were held: a SIGKILL loses none of them.
+    data_dir = tmp_path / "data"
+    d = qflowd(data_dir, *QUOTA)
+    capacity = 10
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", durable=True)
+            sender = ssn.sender("q", capacity=capacity, durable=True)
+            sent = 0
+
+            async def produce() -> None:
+                nonlocal sent
+                while True:
+                    await sender.send(b"%06d" % sent + b"." * 400)
+                    sent += 1
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce)
+                await wait_for("the sender to be held", lambda: api(d, "GET", "/api/broker")[1]["storeOverfull"]
+                               and sender.incomplete == capacity
+                               and api(d, "GET", "/api/queues/q")[1]["msgDepth"] == sent)
+                d.kill()
+                nursery.cancel_scope.cancel()
+    except qflow.ConnectionClosed:
+        pass
+    finally:
+        d.kill()
+    d = qflowd(data_dir, *QUOTA)
+    try:
+        status, broker = api(d, "GET", "/api/broker")
+        assert broker["storeOverfull"] is True and broker["storeOverfullCount"] == 1
+        assert broker["totals"]["msgDepth"] == sent  # the held ones too: they were on disk
+        assert f"store overfull: {broker['storeSize']} bytes > 20000, flow control enforced" in d.log()
+    finally:
+        d.stop()
+
+
+def test_bad_quota_options_are_refused_at_start_naming_the_option(tmp_path: Path) -> None:
+    cases = [
+        (("--store-overfull-size", "-1"), "--store-overfull-size must be 0 (no quota) or a positive number"),
+        (("--store-overfull-size", "lots"), "argument --store-overfull-size: invalid int value: 'lots'"),
+        (("--store-overfull-size", "1000", "--store-underfull-size", "2000"),
+         "--store-underfull-size 2000 must not be above --store-overfull-size 1000"),
+        (("--store-overfull-size", "1000", "--store-underfull-size", "-5"), "--store-underfull-size must be 0 or"),
+        (("--store-underfull-size", "5"), "--store-underfull-size needs --store-overfull-size"),
+        (("--store-segment-size", "100"), "--store-segment-size must be 4096..1073741824 bytes, not 100"),
+        (("--no-data-dir", "--store-overfull-size", "1000"), "--store-overfull-size needs a data directory"),
+        (("--no-data-dir", "--store-segment-size", "8192"), "--store-segment-size needs a data directory"),
+    ]
+    for args, message in cases:
+        done = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", "--data-dir",
+                               str(tmp_path / "data"), *args] if "--no-data-dir" not in args else
+                              [sys.executable, "-m", "qflow.cli.qflowd", "--port", "0", *args],
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        assert done.returncode == 2, (args, done.stderr)
+        assert f"qflowd: {message}" in done.stderr, (args, done.stderr)
+        assert "ready" not in done.stdout
+    assert not (tmp_path / "data").exists()  # refused before anything was created
+
+
+def test_the_management_api_shows_the_store_and_no_store(tmp_path: Path) -> None:
+    harness = Harness()
+    p = harness.connect().session()
+    declare(p, "dq")
+    store = open_store(harness, tmp_path, QuotaLimits(overfull=1000))
+    for _ in range(3):
+        p.transfer("dq", b"z" * 500, properties=DURABLE)
+    harness.run()
+    store.commit_inline()
+    with_store = ManagementApi(harness.broker, store=store)
+    view = json.loads(with_store.handle("GET", b"/api/broker").body)
+    assert (view["storeSize"], view["storeOverfull"], view["storeOverfullCount"]) == \
+        (store.journal.size_on_disk(), True, 1)
+    text = with_store.handle("GET", b"/metrics").body.decode()
+    assert f"\nqflow_store_size_bytes {store.journal.size_on_disk()}\n" in text
+    assert "\nqflow_store_overfull 1\n" in text
+    assert "# TYPE qflow_store_overfull_total counter\nqflow_store_overfull_total 1\n" in text
+    # Without a data directory there is no store: nothing on disk, never overfull.
+    view = json.loads(ManagementApi(Harness().broker).handle("GET", b"/api/broker").body)
+    assert (view["storeSize"], view["storeOverfull"], view["storeOverfullCount"]) == (0, False, 0)
