@@ -201,6 +201,27 @@ async def wait_for(what: str, condition, timeout: float = TIMEOUT, state=None):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f": {state()}" if state else ""))
 
 
+async def wait_held(d, sender, sent) -> dict:
+    """Wait until ``sender`` is held by the overfull store: its whole window is
+    incomplete on both sides and everything it sent (``sent()``) is on queue
+    ``q``. The broker is asked first and the client's counts read after, on the
+    client's thread, so a send half done cannot pass. Returns /api/broker."""
+    def broker_side() -> tuple[dict, int, int]:
+        broker = api(d, "GET", "/api/broker")[1]
+        depth = api(d, "GET", "/api/queues/q")[1]["msgDepth"]
+        incomplete = [s["incompleteCommands"] for c in api(d, "GET", "/api/connections")[1]
+                      for s in c["sessions"] if s["senderCapacity"] == sender.capacity]
+        return broker, depth, incomplete[0] if incomplete else -1
+
+    with trio.fail_after(TIMEOUT):
+        while True:
+            broker, depth, broker_incomplete = await trio.to_thread.run_sync(broker_side)
+            if broker["storeOverfull"] and sender.incomplete == broker_incomplete == sender.capacity \
+                    and depth == sent():
+                return broker
+            await trio.sleep(0.05)
+
+
 async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes_below_underfull(
         tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
@@ -225,14 +246,7 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(produce)
 
-                def held() -> dict | None:  # overfull, the sender's window full, everything it sent on the queue
-                    status, broker = api(d, "GET", "/api/broker")
-                    queue = api(d, "GET", "/api/queues/q")[1]
-                    if broker["storeOverfull"] and sender.incomplete == capacity and queue["msgDepth"] == sent:
-                        return broker
-                    return None
-
-                broker = await wait_for("the sender to be held by the overfull store", held)
+                broker = await wait_held(d, sender, lambda: sent)
                 stop.set()  # the send waiting now is the last one
                 stopped_at = sent
                 # Held: its whole window is incomplete, and it sends nothing more (its send waits).
@@ -240,12 +254,10 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
                 assert broker["storeOverfullCount"] == 1
                 assert broker["options"]["storeOverfullSize"] == 20000
                 assert broker["options"]["storeUnderfullSize"] == 8000
-                (connection,) = [c for c in api(d, "GET", "/api/connections")[1] if c["sessions"] and
-                                 c["sessions"][0]["senderCapacity"] == capacity]
-                assert connection["sessions"][0]["incompleteCommands"] == capacity
                 assert metrics(d)["qflow_store_overfull"] == 1
                 assert metrics(d)["qflow_store_overfull_total"] == 1
                 assert metrics(d)["qflow_store_size_bytes"] == broker["storeSize"]
+                assert journal_bytes(data_dir) == broker["storeSize"]  # the counter is the files' size
                 stat = await trio.to_thread.run_sync(lambda: subprocess.run(
                     [sys.executable, "-m", "qflow.cli.qflow_stat", "-b", f"127.0.0.1:{d.mgmt_port}"],
                     capture_output=True, text=True, timeout=TIMEOUT))
@@ -310,9 +322,7 @@ async def test_a_restart_on_an_overfull_journal_starts_overfull_and_keeps_the_he
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(produce)
-                await wait_for("the sender to be held", lambda: api(d, "GET", "/api/broker")[1]["storeOverfull"]
-                               and sender.incomplete == capacity
-                               and api(d, "GET", "/api/queues/q")[1]["msgDepth"] == sent)
+                await wait_held(d, sender, lambda: sent)
                 d.kill()
                 nursery.cancel_scope.cancel()
     except qflow.ConnectionClosed:
