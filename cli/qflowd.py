@@ -26,10 +26,10 @@ from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 from qflow.server.daemon import ListenError, run
 from qflow.store import StoreError
+from qflow.store.journal import DEFAULT_SEGMENT_SIZE
 from qflow.store.quota import QuotaError, QuotaLimits
 
 DEFAULT_DATA_DIR = "~/.qflowd"
-DEFAULT_SEGMENT_SIZE = 32 << 20  # the journal's segment file size (docs/store.md)
 MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE = 4096, 1 << 30
 
 

@@ -74,6 +74,8 @@ CRC32 = 1
 KIND_HEADER, KIND_BATCH = 1, 2
 OP_ENQUEUE, OP_DEQUEUE, OP_DELETE = 1, 2, 3
 
+DEFAULT_SEGMENT_SIZE = 32 << 20  # the quota's step (qflowd --store-segment-size, docs/store.md)
+
 _RECORD = struct.Struct("<II")  # length, crc32
 _HEADER = struct.Struct("<B4sHQB")
 _U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
@@ -139,7 +141,7 @@ class Journal:
     ``carry_below`` is the share of it below which the oldest segment's live
     messages are carried forward."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, segment_size: int = 32 << 20,
+    def __init__(self, directory: str | os.PathLike[str], *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  carry_below: float = 0.25) -> None:
         if segment_size < 64:
             raise ValueError(f"segment_size {segment_size}: must be at least 64 bytes")
