@@ -371,7 +371,7 @@ async def test_command_on_unattached_channel(daemon, healthy, frame, fragment):
     ({"heartbeat": -1}, "heartbeat"),
     ({"max_frame_size": 100}, "max_frame_size"),
     ({"max_frame_size": "big"}, "max_frame_size"),
-    ({"mechanism": "PLAIN"}, "mechanism"),
+    ({"mechanism": "KERBEROS"}, "mechanism"),
     ({"deliver_runs": 1}, "deliver_runs"),
 ])
 async def test_bad_connection_open(daemon, healthy, options, fragment):

@@ -78,13 +78,14 @@ def test_server_open_negotiates_and_answers():
     assert conn.state is State.AWAIT_OPEN and written(conn) == []
     [event] = feed(conn, [P.OPEN, {"mechanism": "ANONYMOUS", "name": "me", "heartbeat": 5, "max_frame_size": 65536,
                                    "deliver_runs": True}])
-    assert event == Opened("me", 5, 65536, True)
+    assert event == Opened("me", 5, 65536, True, "anonymous")
     assert conn.state is State.OPEN and conn.is_open
-    assert written(conn) == [[P.OPEN_OK, {"heartbeat": 5, "max_frame_size": 65536, "broker": "qflow"}]]
+    assert written(conn) == [[P.OPEN_OK, {"heartbeat": 5, "max_frame_size": 65536, "broker": "qflow",
+                                          "user": "anonymous"}]]
     assert conn.decoder.max_frame_size == 65536
     # The defaults: no heartbeat, the server's own limit, single deliveries.
     conn = server()
-    assert feed(conn, [P.OPEN, {}]) == [Opened("", 0, 1 << 20, False)]
+    assert feed(conn, [P.OPEN, {}]) == [Opened("", 0, 1 << 20, False, "anonymous")]
 
 
 def test_server_takes_the_smaller_frame_size():
@@ -97,8 +98,8 @@ def test_server_takes_the_smaller_frame_size():
     ([P.OPEN], P.COMMAND_INVALID, "connection.open must be [0, {options}]"),
     ([P.OPEN, []], P.COMMAND_INVALID, "connection.open must be [0, {options}]"),
     ([P.OPEN, {}, 1], P.COMMAND_INVALID, "connection.open must be [0, {options}]"),
-    ([P.OPEN, {"mechanism": "PLAIN"}], P.NOT_ALLOWED,
-     "authentication mechanism 'PLAIN' is not supported (ANONYMOUS)"),
+    ([P.OPEN, {"mechanism": "KERBEROS"}], P.NOT_ALLOWED,
+     "authentication mechanism 'KERBEROS' is not supported (ANONYMOUS, SCRAM-SHA-256, PLAIN)"),
     *[([P.OPEN, opts], P.COMMAND_INVALID, "connection.open: name must be a string, heartbeat a number, "
        "max_frame_size an int, deliver_runs a boolean")
       for opts in ({"name": 1}, {"heartbeat": "1"}, {"max_frame_size": "big"}, {"max_frame_size": 1.5e6},
@@ -446,8 +447,8 @@ def test_both_roles_talk_to_each_other():
         dst.receive_data(src.encoder.take(), 0.0)
         return [dst.receive_control(f) for f in dst.decoder.frames()]
 
-    assert pump(c, s) == [Opened("pair", 2, 8192, True)]  # the client asks for delivery runs
-    assert pump(s, c) == [Opened("qflow", 2, 8192, True)]
+    assert pump(c, s) == [Opened("pair", 2, 8192, True, "anonymous")]  # the client asks for delivery runs
+    assert pump(s, c) == [Opened("qflow", 2, 8192, True, "anonymous")]
     c.attach("one", "client-session")
     [request] = pump(c, s)
     s.accept_attach(request.channel, "server-session")

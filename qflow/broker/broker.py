@@ -81,13 +81,14 @@ class Broker:
         return self.flow.acct
 
     # -- sessions -------------------------------------------------------------
-    def open_session(self, channel: int, name: str, out: SessionOutput | None = None) -> BrokerSession:
-        """Attach a session. What it is told goes to ``out`` (one gathering
-        qflow frames in memory if none), whose ``wake()`` is called after each
-        batch that told it something."""
+    def open_session(self, channel: int, name: str, out: SessionOutput | None = None,
+                     user: str = "") -> BrokerSession:
+        """Attach a session of ``user`` (its connection's authenticated user).
+        What it is told goes to ``out`` (one gathering qflow frames in memory
+        if none), whose ``wake()`` is called after each batch that told it something."""
         slot = self._next_session_slot
         self._next_session_slot += 1
-        ssn = BrokerSession(channel, name, slot, out)
+        ssn = BrokerSession(channel, name, slot, out, user)
         self.sessions[slot] = ssn
         self.flow.sessions[slot] = ssn
         return ssn

@@ -111,7 +111,7 @@ def session_view(broker: Broker, ssn: BrokerSession, now: float) -> dict[str, An
             held_by.append({"queue": name, "since": iso(since), "heldSeconds": round(now - since, 3)})
     held_by.sort(key=lambda h: h["heldSeconds"] or 0, reverse=True)
     return {
-        "channel": ssn.channel, "name": ssn.name, "senderCapacity": ssn.capacity,
+        "channel": ssn.channel, "name": ssn.name, "user": ssn.user, "senderCapacity": ssn.capacity,
         "incompleteCommands": incomplete, "heldTransfers": held,
         "unackedDeliveries": ssn.unacked_count, "consumers": sorted(ssn.consumers),
         "flowStopped": bool(held_by), "heldBy": held_by,
@@ -126,7 +126,7 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
     for conn in live_connections(server):
         age = max(0.0, trio_now - conn.connected_at) if trio_now is not None else 0.0
         out.append({
-            "name": conn.name, "peer": conn.peer, "connectedAt": iso(now - age),
+            "name": conn.name, "user": conn.user, "peer": conn.peer, "connectedAt": iso(now - age),
             "connectedSeconds": round(age, 3),
             "sessions": [session_view(broker, s, now) for _, s in sorted(conn.sessions.items())],
         })

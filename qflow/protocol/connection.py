@@ -34,8 +34,21 @@ A server starts in AWAIT_OPEN: its decoder expects the protocol header, then
 module existed) and answered with ``connection.open-ok``; the connection is
 then OPEN and the :class:`Opened` event carries the negotiated values. A
 client starts in OPENING, having written the header and its open; the
-open-ok moves it to OPEN with the same event. Authentication (issue 16) will
-sit between the two as AUTHENTICATING: see ``_server_open``.
+open-ok moves it to OPEN with the same event.
+
+Authentication is part of this handshake (qflow.protocol.sasl holds the
+mechanisms). The open names the client's ``mechanism`` and carries its
+initial ``response``. ANONYMOUS and PLAIN need nothing more: the open-ok
+follows at once, or the refusal. SCRAM-SHA-256 takes one more round trip:
+the server answers the open with ``[4, server-first]`` and moves to
+AUTHENTICATING; the client answers ``[5, client-final]`` and moves there
+too; the server's open-ok then carries ``sasl`` (server-final), which the
+client checks before it counts as OPEN. A server built with ``users`` (the
+broker's ``--auth yes``) offers only PLAIN and SCRAM-SHA-256 and checks
+them; without, it offers ANONYMOUS as well and believes whatever user a
+client names (Qpid's ``--auth no``). Every failure of the exchange is
+refused alike, ``530 authentication failed``, saying nothing of whether the
+user exists (:class:`AuthFailed` tells the glue, for its log).
 
 Once open, ``session.attach`` / ``detach`` / ``flush`` are checked here and
 come out as :class:`AttachRequested`, :class:`DetachRequested` and
@@ -63,13 +76,14 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from qflow.protocol import sasl
 from qflow.protocol import spec as P
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE, FrameDecoder, FrameEncoder
 from qflow.protocol.session_output import SessionOutput
 
 MAX_SESSIONS = 256  # per connection
 CHANNELS = 65536  # channel numbers run 0 .. CHANNELS - 1
-MECHANISMS = ("ANONYMOUS",)  # SASL mechanisms offered (issue 16 adds PLAIN and SCRAM-SHA-256)
+MECHANISMS = (sasl.ANONYMOUS, *sasl.AUTH_MECHANISMS)  # offered without authentication (--auth no)
 
 
 class Role(enum.Enum):
@@ -80,7 +94,7 @@ class Role(enum.Enum):
 class State(enum.Enum):
     AWAIT_OPEN = "await-open"  # server: the header and connection.open are due
     OPENING = "opening"  # client: header and connection.open written, open-ok due
-    AUTHENTICATING = "authenticating"  # reserved for the SASL exchange (issue 16): no row uses it yet
+    AUTHENTICATING = "authenticating"  # a SASL exchange of more than one message is under way
     OPEN = "open"
     CLOSING = "closing"  # our close is decided; write_close writes its frame, last
     CLOSED = "closed"  # the close frame is written (or the peer's read, or the stream lost): nothing more
@@ -98,6 +112,17 @@ class ConnectionEnd(Exception):
         self.by_peer = by_peer
 
 
+class AuthFailed(ConnectionEnd):
+    """The server refused a client's credentials. The peer is told only
+    ``authentication failed``; ``user`` (as the client named it) and
+    ``detail`` (why) are for the broker's log."""
+
+    def __init__(self, user: str, detail: str) -> None:
+        super().__init__(P.NOT_ALLOWED, sasl.FAILED)
+        self.user = user
+        self.detail = detail
+
+
 class LocalProtocolError(Exception):
     """This side asked for something its state does not allow (attach before
     the open, anything after close): a bug of the caller, nothing was written."""
@@ -111,6 +136,7 @@ class Opened(NamedTuple):
     heartbeat: float
     max_frame_size: int
     deliver_runs: bool
+    user: str = ""  # the authenticated user ("anonymous" for ANONYMOUS)
 
 
 class AttachRequested(NamedTuple):
@@ -176,7 +202,8 @@ Event = (Opened | AttachRequested | DetachRequested | FlushRequested | SessionAt
 
 FRAME_NAMES = {
     P.OPEN: "connection.open", P.OPEN_OK: "connection.open-ok", P.CLOSE: "connection.close",
-    P.HEARTBEAT: "heartbeat", P.ATTACH: "session.attach", P.ATTACHED: "session.attached",
+    P.HEARTBEAT: "heartbeat", P.SASL_CHALLENGE: "sasl challenge", P.SASL_RESPONSE: "sasl response",
+    P.ATTACH: "session.attach", P.ATTACHED: "session.attached",
     P.DETACH: "session.detach", P.DETACHED: "session.detached", P.COMPLETED: "session.completed",
     P.FLUSH: "session.flush", P.RESULT: "execution.result", P.EXCEPTION: "execution.exception",
     P.DELIVER: "message.deliver", P.FLOW_NOTICE: "flow notice", P.DELIVER_RUN: "message.deliver-run",
@@ -199,11 +226,24 @@ class ProtocolConnection:
     """
 
     def __init__(self, role: Role, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, name: str = "",
-                 heartbeat: float = 0, now: float = 0.0) -> None:
-        """A server (``max_frame_size``: its own limit) waits for the client;
-        a client (``name``, ``heartbeat`` and ``max_frame_size``: what it
-        asks for) writes its header and ``connection.open`` at once."""
+                 heartbeat: float = 0, now: float = 0.0, users: sasl.Users | None = None,
+                 secret: bytes = b"", username: str | None = None, password: str = "",
+                 mechanism: str | None = None) -> None:
+        """A server (``max_frame_size``: its own limit; ``users``: check
+        credentials against them, None: authentication off; ``secret``: for
+        the decoys of unknown users) waits for the client. A client
+        (``name``, ``heartbeat`` and ``max_frame_size``: what it asks for;
+        ``username`` and ``password``, with SCRAM-SHA-256 unless
+        ``mechanism`` says PLAIN; no username: ANONYMOUS) writes its header
+        and ``connection.open`` at once."""
         self.role = role
+        self.users = users
+        self.secret = secret
+        self.user = ""  # who the connection is authenticated as, once open
+        self.mechanism = ""
+        self._scram_server: sasl.ScramServer | None = None
+        self._scram_client: sasl.ScramClient | None = None
+        self._open_options: tuple[str, float, int, bool] = ("", 0, max_frame_size, False)
         self.max_frame_size = max_frame_size
         self.name = name  # this connection's label (a server learns it from the open)
         self.peer_name = ""  # a client learns the broker's name from the open-ok
@@ -224,9 +264,24 @@ class ProtocolConnection:
             self.state = State.OPENING
             self.deliver_runs = True
             self.encoder.write_header()
-            # The authentication step (issue 16) will choose the mechanism here.
-            self.encoder.write([P.OPEN, {"mechanism": "ANONYMOUS", "name": name, "heartbeat": heartbeat,
-                                         "max_frame_size": max_frame_size, "deliver_runs": True}])
+            opts: dict[str, Any] = {"mechanism": self._client_mechanism(username, password, mechanism)}
+            if self.mechanism == sasl.SCRAM_SHA_256:
+                self._scram_client = sasl.ScramClient(username or "", password)
+                opts["response"] = self._scram_client.first()
+            elif self.mechanism == sasl.PLAIN:
+                opts["response"] = sasl.plain_response(username or "", password)
+            opts.update(name=name, heartbeat=heartbeat, max_frame_size=max_frame_size, deliver_runs=True)
+            self.encoder.write([P.OPEN, opts])
+
+    def _client_mechanism(self, username: str | None, password: str, mechanism: str | None) -> str:
+        if mechanism is None:
+            mechanism = sasl.ANONYMOUS if username is None else sasl.SCRAM_SHA_256
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}, not {mechanism!r}")
+        if (mechanism == sasl.ANONYMOUS) != (username is None):
+            raise ValueError(f"{mechanism} {'takes no' if username is not None else 'needs a'} username")
+        self.mechanism = mechanism
+        return mechanism
 
     # -- input --------------------------------------------------------------------
     def receive_data(self, data: bytes, now: float) -> None:
@@ -274,16 +329,6 @@ class ProtocolConnection:
         opts = frame[1] if len(frame) == 2 else None
         if type(opts) is not dict:
             raise self._refuse(P.COMMAND_INVALID, "connection.open must be [0, {options}]")
-        mechanism = opts.get("mechanism", "ANONYMOUS")
-        # -- authentication: issue 16 plugs in here --------------------------------
-        # ANONYMOUS needs no exchange. PLAIN and SCRAM-SHA-256 will: this step
-        # then keeps the checked options, writes the first challenge and moves to
-        # AUTHENTICATING, and new rows (SERVER, AUTHENTICATING, <sasl response>)
-        # and (CLIENT, AUTHENTICATING, <sasl challenge>) carry the exchange
-        # until it ends in _negotiate() (or a NOT_ALLOWED refusal).
-        if mechanism not in MECHANISMS:
-            raise self._refuse(P.NOT_ALLOWED,
-                               f"authentication mechanism {mechanism!r} is not supported (ANONYMOUS)")
         name = opts.get("name", "")
         heartbeat = opts.get("heartbeat", 0)
         max_frame = opts.get("max_frame_size", self.max_frame_size)
@@ -295,15 +340,78 @@ class ProtocolConnection:
         if math.isnan(heartbeat) or heartbeat < 0 or max_frame < MIN_MAX_FRAME_SIZE:  # NaN: no timer takes it
             raise self._refuse(P.COMMAND_INVALID, f"connection.open: heartbeat must be >= 0 and max_frame_size "
                                f">= {MIN_MAX_FRAME_SIZE}")
-        return self._negotiate(name, heartbeat, min(max_frame, self.max_frame_size), deliver_runs)
+        self._open_options = (name, heartbeat, min(max_frame, self.max_frame_size), deliver_runs)
+        return self._authenticate(opts.get("mechanism", sasl.ANONYMOUS), opts.get("response", b""))
 
-    def _negotiate(self, name: str, heartbeat: float, max_frame_size: int, deliver_runs: bool) -> Opened:
-        """Server: the open is accepted (and, later, authenticated): answer it."""
+    # -- authentication: server ---------------------------------------------------------
+    def _authenticate(self, mechanism: Any, response: Any) -> Opened | None:
+        """The open's credentials: open-ok (Opened), or a SCRAM challenge
+        (None: AUTHENTICATING), or a refusal."""
+        offered = MECHANISMS if self.users is None else sasl.AUTH_MECHANISMS
+        if mechanism not in offered:
+            # An old client sends no mechanism: it meant ANONYMOUS, and hears what is offered instead.
+            if self.users is not None and mechanism == sasl.ANONYMOUS:
+                raise self._refuse(P.NOT_ALLOWED, "authentication required: ANONYMOUS is not offered "
+                                   f"(offered: {', '.join(offered)})")
+            raise self._refuse(P.NOT_ALLOWED, f"authentication mechanism {mechanism!r:.40} is not supported "
+                               f"({', '.join(offered)})")
+        if type(response) is not bytes:
+            raise self._refuse(P.COMMAND_INVALID, "connection.open: response must be bytes")
+        self.mechanism = mechanism
+        scram: sasl.ScramServer | None = None
+        try:
+            if mechanism == sasl.ANONYMOUS:
+                return self._negotiate("anonymous")
+            if mechanism == sasl.PLAIN:
+                user, password = sasl.parse_plain(response)
+                if self.users is not None:
+                    self._check_plain(user, password)
+                return self._negotiate(user)
+            scram = sasl.ScramServer(self.users or _NO_USERS, self.secret)
+            challenge = scram.first(response)
+            if self.users is None:  # nothing to check: believed, as PLAIN is
+                return self._negotiate(scram.user)
+            self._scram_server = scram
+            self.encoder.write([P.SASL_CHALLENGE, challenge])
+            self.state = State.AUTHENTICATING
+            return None
+        except sasl.AuthError as exc:
+            raise self._auth_failed(scram.user if scram is not None else "", exc.detail) from None
+
+    def _check_plain(self, user: str, password: str) -> None:
+        verifier = self.users.verifier(user)
+        # An unknown user costs the same hashing as a known one: the time taken tells nothing.
+        ok = sasl.check_password(verifier or sasl.decoy_verifier(user, self.secret), password)
+        if verifier is None or not ok:
+            raise self._auth_failed(user, "unknown user" if verifier is None else "wrong password")
+
+    def _server_sasl_response(self, frame: list[Any]) -> Opened:
+        scram = self._scram_server
+        if len(frame) != 2 or type(frame[1]) is not bytes:
+            raise self._auth_failed(scram.user, f"malformed sasl response {frame!r:.60}")
+        try:
+            server_final = scram.final(frame[1])
+        except sasl.AuthError as exc:
+            raise self._auth_failed(scram.user, exc.detail) from None
+        self._scram_server = None
+        return self._negotiate(scram.user, server_final)
+
+    def _auth_failed(self, user: str, detail: str) -> AuthFailed:
+        self.close(P.NOT_ALLOWED, sasl.FAILED)
+        return AuthFailed(user, detail)
+
+    def _negotiate(self, user: str, server_final: bytes | None = None) -> Opened:
+        """Server: the open is accepted and authenticated: answer it."""
+        name, heartbeat, max_frame_size, deliver_runs = self._open_options
         self.name = name
+        self.user = user
         self.max_frame_size = max_frame_size
         self.deliver_runs = deliver_runs
         self.decoder.set_max_frame_size(max_frame_size)
-        self.encoder.write([P.OPEN_OK, {"heartbeat": heartbeat, "max_frame_size": max_frame_size, "broker": "qflow"}])
+        opts = {"heartbeat": heartbeat, "max_frame_size": max_frame_size, "broker": "qflow", "user": user}
+        if server_final is not None:
+            opts["sasl"] = server_final
+        self.encoder.write([P.OPEN_OK, opts])
         return self._opened(heartbeat, name)
 
     def _client_open_ok(self, frame: list[Any]) -> Opened:
@@ -313,21 +421,43 @@ class ProtocolConnection:
         max_frame = opts.get("max_frame_size", self.max_frame_size)
         heartbeat = opts.get("heartbeat", self.heartbeat)
         name = opts.get("broker", "")
+        user = opts.get("user", "")
         if type(max_frame) is not int or type(heartbeat) not in (int, float) or type(name) is not str \
-                or math.isnan(heartbeat) or heartbeat < 0:
+                or math.isnan(heartbeat) or heartbeat < 0 or type(user) is not str:
             raise self._refuse(P.FRAMING_ERROR, f"connection.open-ok: bad options {opts!r:.80}")
+        if self.state is State.AUTHENTICATING:
+            # The broker proves it knows this user's verifier: an impostor cannot.
+            server_final = opts.get("sasl")
+            try:
+                self._scram_client.verify(server_final if type(server_final) is bytes else b"")
+            except sasl.AuthError as exc:
+                raise self._refuse(P.NOT_ALLOWED, exc.text) from None
+        # A broker with authentication off (--auth no) opens a SCRAM connection without the exchange.
+        self._scram_client = None
+        self.user = user
         # The decoder keeps the limit this client asked for: a delivery can be a
         # few dozen bytes longer than the largest transfer the broker takes.
         self.max_frame_size = max_frame
         self.peer_name = name
         return self._opened(heartbeat, name)
 
+    def _client_challenge(self, frame: list[Any]) -> None:
+        if self._scram_client is None or self.state is not State.OPENING:
+            raise self._refuse(P.FRAMING_ERROR, f"unexpected sasl challenge from the broker ({self.mechanism})")
+        if len(frame) != 2 or type(frame[1]) is not bytes:
+            raise self._refuse(P.FRAMING_ERROR, f"malformed sasl challenge from the broker: {frame!r:.80}")
+        try:
+            self.encoder.write([P.SASL_RESPONSE, self._scram_client.final(frame[1])])
+        except sasl.AuthError as exc:
+            raise self._refuse(P.NOT_ALLOWED, exc.text) from None
+        self.state = State.AUTHENTICATING
+
     def _opened(self, heartbeat: float, name: str) -> Opened:
         self.heartbeat = heartbeat
         self.state = State.OPEN
         if heartbeat:
             self._beat_due = self._heard_at + self.heartbeat_interval
-        return Opened(name, heartbeat, self.max_frame_size, self.deliver_runs)
+        return Opened(name, heartbeat, self.max_frame_size, self.deliver_runs, self.user)
 
     # -- sessions: server ------------------------------------------------------------
     def _server_attach(self, frame: list[Any]) -> AttachRequested:
@@ -513,6 +643,16 @@ class ProtocolConnection:
 
 
 _NONE = object()
+
+
+class _NoUsers:
+    """With authentication off a SCRAM exchange is not run: its first message only names the user."""
+
+    def verifier(self, user: str) -> None:
+        return None
+
+
+_NO_USERS = _NoUsers()
 _EOF_TEXT = {Role.SERVER: "connection closed by the client", Role.CLIENT: "connection closed by the broker"}
 _C = ProtocolConnection
 Handler = Callable[[ProtocolConnection, list[Any]], Any]
@@ -521,11 +661,14 @@ Handler = Callable[[ProtocolConnection, list[Any]], Any]
 _TRANSITIONS: dict[Role, dict[State, dict[int, Handler]]] = {
     Role.SERVER: {
         State.AWAIT_OPEN: {P.OPEN: _C._server_open},
+        State.AUTHENTICATING: {P.SASL_RESPONSE: _C._server_sasl_response, P.CLOSE: _C._peer_close},
         State.OPEN: {P.HEARTBEAT: _C._heartbeat, P.ATTACH: _C._server_attach, P.DETACH: _C._server_detach,
                      P.FLUSH: _C._server_flush, P.CLOSE: _C._peer_close, P.OPEN: _C._refuse_twice},
     },
     Role.CLIENT: {
-        State.OPENING: {P.OPEN_OK: _C._client_open_ok, P.CLOSE: _C._peer_close},
+        State.OPENING: {P.OPEN_OK: _C._client_open_ok, P.CLOSE: _C._peer_close,
+                        P.SASL_CHALLENGE: _C._client_challenge},
+        State.AUTHENTICATING: {P.OPEN_OK: _C._client_open_ok, P.CLOSE: _C._peer_close},
         State.OPEN: {P.HEARTBEAT: _C._heartbeat, P.CLOSE: _C._peer_close,
                      **dict.fromkeys(_SESSION_FRAMES, _C._client_session_frame)},
         # After our close only the broker's counts: it ends the connection.

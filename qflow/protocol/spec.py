@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 # -- connection controls ------------------------------------------------------
-OPEN = 0  # [0, {mechanism, name, heartbeat, max_frame_size}]
-OPEN_OK = 1  # [1, {heartbeat, max_frame_size, broker}]
+OPEN = 0  # [0, {mechanism, response, name, heartbeat, max_frame_size, deliver_runs}]
+OPEN_OK = 1  # [1, {heartbeat, max_frame_size, broker, user, sasl}]
 CLOSE = 2  # [2, code, text]
 HEARTBEAT = 3  # [3]
+SASL_CHALLENGE = 4  # [4, challenge: bin]: the broker's next SASL message (SCRAM's server-first)
+SASL_RESPONSE = 5  # [5, response: bin]: the client's answer (SCRAM's client-final)
 
 # -- session controls and broker-to-client session frames ---------------------
 ATTACH = 10  # [10, ch, name]

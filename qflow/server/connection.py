@@ -18,11 +18,18 @@ import trio
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
-from qflow.protocol.connection import ConnectionEnd, Opened
+from qflow.protocol.connection import AuthFailed, ConnectionEnd, Opened
 from qflow.protocol.framing import READ_SIZE, FramingError
+from qflow.protocol.sasl import Users
 from qflow.server.pump import ConnectionPump
 
 log = logging.getLogger("qflow.server")
+
+
+def escape(text: str) -> str:
+    """``text`` quoted for a log line: a user name chosen by a client cannot
+    forge lines or move a terminal's cursor."""
+    return "'" + text.encode("unicode_escape").decode("ascii").replace("'", "\\'") + "'"
 
 
 def _negotiated(attr: str) -> property:
@@ -32,14 +39,16 @@ def _negotiated(attr: str) -> property:
 
 class Connection:
     """A broker connection served over ``stream``. The management API reads
-    ``name``, ``peer``, ``connected_at`` and ``sessions``."""
+    ``name``, ``user``, ``peer``, ``connected_at`` and ``sessions``."""
 
-    def __init__(self, broker: Broker, stream: trio.SocketStream, max_frame_size: int, peer: str) -> None:
+    def __init__(self, broker: Broker, stream: trio.SocketStream, max_frame_size: int, peer: str,
+                 users: Users | None = None, secret: bytes = b"") -> None:
         self.broker = broker
         self.stream = stream
         self.peer = peer
         self.connected_at = trio.current_time()
-        self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened)
+        self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened, users,
+                                   secret)
         self.protocol = self.pump.protocol
         self.encoder = self.pump.encoder
         self.sessions: dict[int, BrokerSession] = self.pump.sessions
@@ -55,6 +64,7 @@ class Connection:
     heartbeat = _negotiated("heartbeat")
     max_frame_size = _negotiated("max_frame_size")
     deliver_runs = _negotiated("deliver_runs")
+    user = _negotiated("user")
 
     def wake(self) -> None:
         self._wake.set()
@@ -76,6 +86,9 @@ class Connection:
                 nursery.start_soon(self._writer)
                 try:
                     await self._reader()
+                except AuthFailed as exc:
+                    log.warning("connection %s: authentication failed for user %s (%s)", self.peer,
+                                escape(exc.user), exc.detail)
                 except ConnectionEnd as exc:
                     log.info("connection %s closed: %s", self.peer, exc.text)
                 except FramingError as exc:

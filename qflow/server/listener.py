@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import trio
 
 from qflow.broker import Broker
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.protocol.sasl import Users
 from qflow.server.connection import Connection
 
 log = logging.getLogger("qflow.server")
@@ -16,9 +18,13 @@ log = logging.getLogger("qflow.server")
 class Server:
     """The broker's listener and its connections."""
 
-    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, users: Users | None = None
+                 ) -> None:
+        """``users``: clients must authenticate against them (None: authentication off)."""
         self.broker = broker
         self.max_frame_size = max_frame_size
+        self.users = users
+        self.secret = os.urandom(32)  # unknown users' decoy verifiers: fixed per name while the broker runs
         self.connections: set[Connection] = set()
         self.started_at = 0.0
 
@@ -35,7 +41,7 @@ class Server:
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
-        conn = Connection(self.broker, stream, self.max_frame_size, peer)
+        conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret)
         self.connections.add(conn)
         try:
             stream.socket.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent

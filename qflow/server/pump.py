@@ -32,6 +32,7 @@ from qflow.protocol.connection import (
     State,
 )
 from qflow.protocol.encodings import TRANSFER_FIXARRAY, transfer_head
+from qflow.protocol.sasl import Users
 
 RUN_RETRY = 16  # frames to take one by one after a transfer that starts no run
 
@@ -46,9 +47,13 @@ class ConnectionPump:
     (the glue starts heartbeats if one was negotiated)."""
 
     def __init__(self, broker: Broker, max_frame_size: int, now: float,
-                 wake: Callable[[], None] = _nothing, on_opened: Callable[[Opened], None] = _nothing) -> None:
+                 wake: Callable[[], None] = _nothing, on_opened: Callable[[Opened], None] = _nothing,
+                 users: Users | None = None, secret: bytes = b"") -> None:
+        """``users``: authenticate clients against them (None: authentication
+        off); ``secret``: the broker's, for unknown users' decoy verifiers."""
         self.broker = broker
-        self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=now)
+        self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=now, users=users,
+                                           secret=secret)
         self.decoder = self.protocol.decoder
         self.encoder = self.protocol.encoder
         self.sessions: dict[int, BrokerSession] = self.protocol.sessions
@@ -143,10 +148,13 @@ class ConnectionPump:
         """A control frame: the state machine rules, the broker acts."""
         event = self.protocol.receive_control(frame)
         if event is None:
+            if self.encoder.parts:  # a SASL challenge
+                self.wake()
             return
         kind = type(event)
         if kind is AttachRequested:
-            ssn = self.broker.open_session(event.channel, event.name, self.protocol.session_output(event.channel, self.wake))
+            ssn = self.broker.open_session(event.channel, event.name,
+                                           self.protocol.session_output(event.channel, self.wake), self.protocol.user)
             # The rest of a transfer frame after this head is stored as it came.
             self.transfer_heads[event.channel] = transfer_head(event.channel)
             self.protocol.accept_attach(event.channel, ssn)
