@@ -8,13 +8,14 @@ refused, 2 a usage error (argparse's own).
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
 import json
 import re
 import socket
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 DEFAULT_MGMT = "localhost:8672"
@@ -25,9 +26,39 @@ class ToolError(Exception):
     """A refusal to report on stderr with exit status 1."""
 
 
+class BrokerUrl(NamedTuple):
+    """A broker address as Qpid writes it: ``[USER/PASSWORD@]HOST[:PORT]``."""
+
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def credentials(self) -> dict[str, Any]:
+        """The keyword arguments of qflow.connect that authenticate (none without a user)."""
+        return {} if self.username is None else {"username": self.username, "password": self.password}
+
+
+def parse_url(text: str, default_port: int) -> BrokerUrl:
+    """Qpid's broker URL: ``[amqp://][USER/PASSWORD@]HOST[:PORT]`` (see
+    :func:`parse_address` for the host forms). The password may hold '/' or
+    '@'; the user name neither."""
+    text = re.sub(r"^[a-z][a-z0-9+.-]*://", "", text.strip())
+    userinfo, at, _ = text.rpartition("@")
+    host, port = parse_address(text, default_port)
+    if not at:
+        return BrokerUrl(host, port)
+    user, slash, password = userinfo.partition("/")
+    if not slash or not user:
+        raise argparse.ArgumentTypeError(f"bad credentials in broker address: expected USER/PASSWORD@HOST:PORT, "
+                                         f"got {userinfo.partition('/')[0]!r}/...@")
+    return BrokerUrl(host, port, user, password)
+
+
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
     """``HOST:PORT``, ``HOST``, ``:PORT`` or ``[IPV6]:PORT``; a Qpid-style
-    ``user/password@`` prefix or a URL scheme is tolerated and ignored."""
+    ``user/password@`` prefix or a URL scheme is skipped (:func:`parse_url` reads them)."""
     text = text.strip()
     text = re.sub(r"^[a-z][a-z0-9+.-]*://", "", text)
     text = text.rsplit("@", 1)[-1].rstrip("/")
@@ -42,10 +73,10 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
     return host, port
 
 
-def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int) -> tuple[str, int]:
-    """``parse_address``, or the usage error (exit 2) that names the bad address."""
+def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int) -> BrokerUrl:
+    """``parse_url``, or the usage error (exit 2) that names the bad address."""
     try:
-        return parse_address(text, default_port)
+        return parse_url(text, default_port)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
         raise  # parser.error exits; this keeps type checkers content
@@ -95,9 +126,15 @@ def fail(prog: str, message: str) -> int:
 class Management:
     """A keep-alive client for qflowd's management API (qflow.management)."""
 
-    def __init__(self, host: str, port: int, timeout: float = 10.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float = 10.0, username: str | None = None,
+                 password: str | None = None) -> None:
+        """``username`` and ``password``: sent as HTTP Basic (a broker with ``--auth yes`` needs them)."""
         self.address = f"{host}:{port}"
         self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        self._auth: dict[str, str] = {}
+        if username is not None:
+            token = base64.b64encode(f"{username}:{password or ''}".encode()).decode("ascii")
+            self._auth = {"Authorization": f"Basic {token}"}
 
     def close(self) -> None:
         self._conn.close()
@@ -107,6 +144,7 @@ class Management:
         for a 4xx/5xx, or a one-line reason when the broker cannot be reached."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers.update(self._auth)
         for attempt in (1, 2):
             try:
                 self._conn.request(method, path, body=data, headers=headers)

@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Configure a qflow broker's queues, exchanges and bindings.")
     p.add_argument("command", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("-b", "--broker", "-a", "--broker-addr", dest="broker", default=DEFAULT_MGMT,
-                   metavar="HOST:PORT", help=f"the broker's management address (default {DEFAULT_MGMT})")
+                   metavar="[USER/PASS@]HOST:PORT",
+                   help=f"the broker's management address, with the credentials of a user when it runs --auth yes "
+                        f"(default {DEFAULT_MGMT})")
     p.add_argument("-t", "--timeout", type=positive_float, default=10.0, metavar="SECS",
                    help="seconds to wait for the broker (default 10)")
     p.add_argument("-r", "--recursive", action="store_true", help="queues/exchanges: show bindings")
@@ -245,8 +247,8 @@ def list_exchanges(api: Management, text: str, recursive: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    host, port = broker_address(parser, args.broker, 8672)
-    api = Management(host, port, args.timeout)
+    url = broker_address(parser, args.broker, 8672)
+    api = Management(url.host, url.port, args.timeout, url.username, url.password)
     try:
         run(args, parser, api)
     except ToolError as exc:

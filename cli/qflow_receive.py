@@ -23,6 +23,7 @@ import qflow
 from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
+    BrokerUrl,
     broker_address,
     fail,
     non_negative,
@@ -37,7 +38,7 @@ PROG = "qflow-receive"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Receive messages from a qflow queue.")
-    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT",
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[USER/PASS@]HOST:PORT",
                    help=f"the broker's protocol address (default {DEFAULT_BROKER})")
     p.add_argument("-a", "--address", required=True, metavar="QUEUE", help="the queue to receive from")
     p.add_argument("-m", "--messages", type=non_negative, default=0, metavar="N",
@@ -58,11 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def receive(args: argparse.Namespace, host: str, port: int) -> tuple[int, int, float]:
+async def receive(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, float]:
     """Receive until done; returns (messages, bytes, seconds from the first message to the last)."""
     out = sys.stdout.buffer
     flush_each = sys.stdout.isatty()  # a person watching sees each line at once; a pipe gets big writes
-    conn = await qflow.connect(host, port, name=args.connection_name)
+    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **url.credentials)
     try:
         ssn = await conn.session()
         receiver = await ssn.receiver(args.address, capacity=args.capacity, accept="auto",
@@ -102,9 +103,9 @@ async def receive(args: argparse.Namespace, host: str, port: int) -> tuple[int, 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    host, port = broker_address(parser, args.broker, 5672)
+    url = broker_address(parser, args.broker, 5672)
     try:
-        received, nbytes, seconds = trio.run(receive, args, host, port)
+        received, nbytes, seconds = trio.run(receive, args, url)
     except qflow.QflowError as exc:
         return fail(PROG, exc.text)
     except BrokenPipeError:
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:
-        return fail(PROG, f"cannot connect to {host}:{port}: {exc.strerror or exc}")
+        return fail(PROG, f"cannot connect to {url.host}:{url.port}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         return 130
     if args.report_total:

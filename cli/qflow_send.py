@@ -29,6 +29,7 @@ import qflow
 from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
+    BrokerUrl,
     broker_address,
     fail,
     non_negative,
@@ -43,7 +44,7 @@ PROG = "qflow-send"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Send messages to a qflow broker.")
-    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT",
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[USER/PASS@]HOST:PORT",
                    help=f"the broker's protocol address (default {DEFAULT_BROKER})")
     p.add_argument("-a", "--address", required=True, help="QUEUE, or EXCHANGE/ROUTING-KEY")
     p.add_argument("-m", "--messages", type=non_negative, default=None, metavar="N",
@@ -83,9 +84,9 @@ def bodies(args: argparse.Namespace) -> Iterator[bytes]:
         yield body
 
 
-async def send(args: argparse.Namespace, host: str, port: int) -> tuple[int, int, float]:
+async def send(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, float]:
     """Send everything and wait for every completion. Returns (messages, bytes, seconds)."""
-    conn = await qflow.connect(host, port, name=args.connection_name)
+    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **url.credentials)
     try:
         ssn = await conn.session()
         exchange, slash, key = args.address.partition("/")
@@ -116,15 +117,15 @@ async def send(args: argparse.Namespace, host: str, port: int) -> tuple[int, int
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    host, port = broker_address(parser, args.broker, 5672)
+    url = broker_address(parser, args.broker, 5672)
     # The client warns through logging while flow control holds the sender: show it.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"{PROG}: %(message)s")
     try:
-        sent, nbytes, seconds = trio.run(send, args, host, port)
+        sent, nbytes, seconds = trio.run(send, args, url)
     except qflow.QflowError as exc:
         return fail(PROG, exc.text)
     except OSError as exc:
-        return fail(PROG, f"cannot connect to {host}:{port}: {exc.strerror or exc}")
+        return fail(PROG, f"cannot connect to {url.host}:{url.port}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         return 130
     if args.report_total:

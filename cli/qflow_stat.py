@@ -29,7 +29,9 @@ from ._common import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qflow-stat", description="Show a qflow broker's statistics.")
     p.add_argument("-b", "--broker", "-a", "--broker-addr", dest="broker", default=DEFAULT_MGMT,
-                   metavar="HOST:PORT", help=f"the broker's management address (default {DEFAULT_MGMT})")
+                   metavar="[USER/PASS@]HOST:PORT",
+                   help=f"the broker's management address, with the credentials of a user when it runs --auth yes "
+                        f"(default {DEFAULT_MGMT})")
     view = p.add_mutually_exclusive_group()
     view.add_argument("-g", "--general", dest="view", action="store_const", const="general",
                       help="broker summary (default)")
@@ -105,9 +107,9 @@ VIEWS = {"general": general_view, "queues": queues_view, "connections": connecti
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    host, port = broker_address(parser, args.broker, 8672)
+    url = broker_address(parser, args.broker, 8672)
     view = VIEWS[args.view or "general"]
-    api = Management(host, port, args.timeout)
+    api = Management(url.host, url.port, args.timeout, url.username, url.password)
     in_place = sys.stdout.isatty()
     try:
         while True:

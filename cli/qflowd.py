@@ -2,6 +2,14 @@
 
     qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--data-dir DIR | --no-data-dir]
            [--store-overfull-size BYTES [--store-underfull-size BYTES]] [--store-segment-size BYTES]
+           [--auth yes|no] [--sasl-db FILE]
+
+Authentication (SASL SCRAM-SHA-256 and PLAIN on the messaging port, HTTP
+Basic on the management port) is on with ``--auth yes``, against the users
+of ``--sasl-db FILE`` (written by qflow-passwd). Without ``--auth`` it is
+off when qflowd listens on loopback only (or on when --sasl-db is given);
+asked to listen on any other address with no ``--auth``, qflowd refuses to
+start (exit 2), naming ``--auth``.
 
 The data directory (default ~/.qflowd) keeps the durable configuration across
 restarts and is locked: a second qflowd on it exits 1, naming the holder's PID.
@@ -15,7 +23,9 @@ one-line message.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import socket
 import sys
 
 import trio
@@ -28,6 +38,7 @@ from qflow.server.daemon import ListenError, run
 from qflow.store import StoreError
 from qflow.store.journal import DEFAULT_SEGMENT_SIZE
 from qflow.store.quota import QuotaError, QuotaLimits
+from qflow.store.sasl_db import SaslDbError
 
 DEFAULT_DATA_DIR = "~/.qflowd"
 MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE = 4096, 1 << 30
@@ -58,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="flow resume threshold, percent of a queue's maximum (default 70)")
     p.add_argument("--default-queue-limit", type=int, default=104857600, metavar="BYTES",
                    help="maximum size of queues declared without qpid.max_size; 0 = none (default 104857600)")
+    p.add_argument("--auth", type=yes_no, default=None, metavar="yes|no",
+                   help="require SASL authentication (SCRAM-SHA-256, PLAIN) on the messaging port and HTTP Basic "
+                        "on the management port (default: no on loopback, yes with --sasl-db; required on other "
+                        "addresses)")
+    p.add_argument("--sasl-db", default=None, metavar="FILE",
+                   help="the users file (qflow-passwd) clients authenticate against")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
                        help="where durable queues, exchanges and bindings are kept; created if missing, and locked "
@@ -101,12 +118,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"not {args.store_segment_size}")
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
+    if args.auth is None and not is_loopback(args.host):
+        p.error(f"--host {args.host} is not a loopback address: say --auth yes (with --sasl-db FILE) or, to let "
+                "anyone in, --auth no")
+    if args.auth is None:
+        args.auth = args.sasl_db is not None
+    if args.auth and args.sasl_db is None:
+        p.error("--auth yes needs --sasl-db FILE (create users with qflow-passwd --sasl-db FILE USER)")
     try:
         args.defaults = FlowDefaults(args.default_flow_stop_threshold, args.default_flow_resume_threshold,
                                      args.default_queue_limit)
     except SettingsError as exc:
         p.error(str(exc))
     return args
+
+
+def yes_no(text: str) -> bool:
+    low = text.lower()
+    if low in ("yes", "true", "1", "y"):
+        return True
+    if low in ("no", "false", "0", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one ('' and 0.0.0.0 are every interface)."""
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # qflowd then fails to listen, naming the host
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: BaseException | None = None
     try:
         trio.run(run, args)
-    except* (ListenError, StoreError) as group:  # trio wraps what the nursery raised
+    except* (ListenError, StoreError, SaslDbError) as group:  # trio wraps what the nursery raised
         failed = group
         while isinstance(failed, BaseExceptionGroup):
             failed = failed.exceptions[0]

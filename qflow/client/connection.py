@@ -20,6 +20,7 @@ around the connection's life: see its docstring.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -50,11 +51,38 @@ from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingErr
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
 
 
+async def _open_stream(host: str, port: int, ssl_context: ssl.SSLContext | None) -> trio.abc.Stream:
+    stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+    if ssl_context is not None:
+        stream = trio.SSLStream(stream, ssl_context, server_hostname=host)
+        try:
+            await stream.do_handshake()
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+    return stream
+
+
+def _credentials(username: str | None, password: str | None, mechanism: str | None) -> dict[str, Any]:
+    if (username is None) != (password is None):
+        raise ValueError("username and password go together")
+    return {"username": username, "password": password or "", "mechanism": mechanism}
+
+
 @asynccontextmanager
 async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", heartbeat: float = 0,
-                          max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> AsyncIterator[Connection]:
-    """Connect (ANONYMOUS), wait for the broker's connection.open-ok, and yield
-    the connection; leaving the block closes it.
+                          max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, username: str | None = None,
+                          password: str | None = None, mechanism: str | None = None,
+                          ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Connection]:
+    """Connect, authenticate, wait for the broker's connection.open-ok, and
+    yield the connection; leaving the block closes it.
+
+    With ``username`` and ``password`` the connection authenticates with
+    SCRAM-SHA-256 (``mechanism="PLAIN"`` sends the password itself: only
+    over TLS); without, ANONYMOUS, which only a broker with ``--auth no``
+    takes. A refusal is ConnectionClosed, code 530, ``authentication
+    failed``. ``ssl_context``: the connection runs over TLS with it
+    (``trio.SSLStream``; the broker's name checked against ``host``).
 
     The connection's tasks run in a nursery opened here, so they end with
     the block. An exception from the block propagates as itself (not in an
@@ -63,8 +91,13 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
     leaving the block if the connection's own tasks failed (a client bug,
     the original error as its ``__cause__``) and the block did not raise.
     """
-    stream = await trio.open_tcp_stream(host, port)
-    conn = Connection(stream, name, heartbeat, max_frame_size)
+    credentials = _credentials(username, password, mechanism)
+    stream = await _open_stream(host, port, ssl_context)
+    try:
+        conn = Connection(stream, name, heartbeat, max_frame_size, **credentials)
+    except ValueError:
+        await trio.aclose_forcefully(stream)
+        raise
     raised: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -87,8 +120,11 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
 
 
 async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", heartbeat: float = 0,
-                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> Connection:
-    """Open a connection (ANONYMOUS) and wait for the broker's connection.open-ok;
+                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, username: str | None = None,
+                  password: str | None = None, mechanism: str | None = None,
+                  ssl_context: ssl.SSLContext | None = None) -> Connection:
+    """Open a connection (credentials and TLS as for :func:`open_connection`)
+    and wait for the broker's connection.open-ok;
     ``close()`` it when done (``async with await connect(...)`` does).
 
     Kept for the callers written before :func:`open_connection`. With no
@@ -99,8 +135,13 @@ async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", 
     next call. Only a client bug is reported differently: as ConnectionClosed
     from calls, not raised again at the end. Prefer ``open_connection``.
     """
-    stream = await trio.open_tcp_stream(host, port)
-    conn = Connection(stream, name, heartbeat, max_frame_size)
+    credentials = _credentials(username, password, mechanism)
+    stream = await _open_stream(host, port, ssl_context)
+    try:
+        conn = Connection(stream, name, heartbeat, max_frame_size, **credentials)
+    except ValueError:
+        await trio.aclose_forcefully(stream)
+        raise
     trio.lowlevel.spawn_system_task(conn._serve, name=f"qflow connection {name!r}")
     try:
         await conn._handshake()
@@ -114,12 +155,14 @@ class Connection:
     """A client connection to qflowd: sessions on it (:meth:`session`), and
     the tasks that move its bytes (:func:`open_connection`)."""
 
-    def __init__(self, stream: trio.abc.Stream, name: str, heartbeat: float, max_frame_size: int) -> None:
+    def __init__(self, stream: trio.abc.Stream, name: str, heartbeat: float, max_frame_size: int,
+                 username: str | None = None, password: str = "", mechanism: str | None = None) -> None:
         self.stream = stream
         self.name = name
         self.heartbeat = heartbeat
         self.protocol = ProtocolConnection(Role.CLIENT, max_frame_size=max_frame_size, name=name,
-                                           heartbeat=heartbeat, now=trio.current_time())
+                                           heartbeat=heartbeat, now=trio.current_time(), username=username,
+                                           password=password, mechanism=mechanism)
         self.decoder = self.protocol.decoder
         self.encoder = self.protocol.encoder
         self.sessions: dict[int, Session] = self.protocol.sessions
@@ -133,6 +176,11 @@ class Connection:
         self._writer_done = trio.Event()
         self._tasks_done = trio.Event()
         self._close_started = False
+
+    @property
+    def user(self) -> str:
+        """The user the broker opened the connection as (``anonymous`` for ANONYMOUS)."""
+        return self.protocol.user
 
     @property
     def max_frame_size(self) -> int:
@@ -306,6 +354,8 @@ class Connection:
                 event = receive_control(frame)
                 if event is not None:
                     self._on_event(event)
+                elif self.encoder.parts:  # the answer to a SASL challenge
+                    self.wake()
         if receiver is not None:
             receiver._event.set()
 

@@ -10,7 +10,10 @@ this module hands it (method, target, body) and writes back its Response.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 
 import h11
@@ -40,6 +43,46 @@ class _Reject(Exception):
         self.message = message
 
 
+# (user, password) -> whether they are a user's credentials; None: no authentication (--auth no)
+Authenticate = Callable[[str, str], bool]
+
+
+def basic_credentials(headers: list[tuple[bytes, bytes]]) -> tuple[str, str] | None:
+    """The (user, password) of an ``Authorization: Basic`` header (RFC 7617),
+    or None if there is none or it is malformed."""
+    value = next((v for k, v in headers if k == b"authorization"), None)
+    if value is None:
+        return None
+    scheme, _, token = value.partition(b" ")
+    if scheme.lower() != b"basic":
+        return None
+    try:
+        user, sep, password = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")
+    except (binascii.Error, ValueError):
+        return None
+    return (user, password) if sep else None
+
+
+def unauthorized(headers: list[tuple[bytes, bytes]], authenticate: Authenticate | None, peer: str
+                 ) -> Response | None:
+    """The 401 answer to a request without valid credentials for this broker's
+    users (``--auth yes``), or None when it may go on. A failure is logged,
+    with the user (escaped) and the peer; the answer never says which part was wrong."""
+    if authenticate is None:
+        return None
+    credentials = basic_credentials(headers)
+    if credentials is not None and authenticate(*credentials):
+        return None
+    if credentials is not None:
+        user = credentials[0].encode("unicode_escape").decode("ascii").replace("'", "\\'")
+        log.warning("management %s: authentication failed for user '%s'", peer, user)
+    response = error_response(401, "authentication required: this broker's management API takes HTTP Basic "
+                                   "credentials of its users (--sasl-db)" if credentials is None
+                              else "authentication failed")
+    response.headers.append(("www-authenticate", 'Basic realm="qflowd", charset="UTF-8"'))
+    return response
+
+
 class ManagementServer:
     """Serves a ManagementApi over HTTP/1.1.
 
@@ -51,8 +94,10 @@ class ManagementServer:
     """
 
     def __init__(self, api: ManagementApi, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, authenticate: Authenticate | None = None) -> None:
+        """``authenticate``: every request needs HTTP Basic credentials it accepts (401 without)."""
         self.api = api
+        self.authenticate = authenticate
         self.timeout = timeout
         self.max_connections = max_connections
         self.active = 0
@@ -82,6 +127,11 @@ class ManagementServer:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "?"
         while True:
             received = [False]  # did any byte of this request arrive?
             request = None
@@ -99,8 +149,8 @@ class ManagementServer:
                 return  # an idle keep-alive connection simply closes
             if request is None:
                 return
-            method, target, body = request
-            response = self.api.handle(method, target, body)
+            method, target, body, headers = request
+            response = unauthorized(headers, self.authenticate, peer) or self.api.handle(method, target, body)
             with trio.move_on_after(self.timeout) as scope:
                 await self._respond(conn, stream, response, head=method == "HEAD")
             if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
@@ -108,7 +158,7 @@ class ManagementServer:
             conn.start_next_cycle()
 
     async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream,
-                            received: list[bool]) -> tuple[str, bytes, bytes] | None:
+                            received: list[bool]) -> tuple[str, bytes, bytes, list[tuple[bytes, bytes]]] | None:
         request: h11.Request | None = None
         body = bytearray()
         while True:
@@ -145,7 +195,8 @@ class ManagementServer:
                     raise _Reject(413, f"request body exceeds the limit of {MAX_BODY} bytes")
             elif type(event) is h11.EndOfMessage:
                 assert request is not None
-                return request.method.decode("ascii", "replace"), bytes(request.target), bytes(body)
+                return (request.method.decode("ascii", "replace"), bytes(request.target), bytes(body),
+                        list(request.headers))
             elif type(event) is h11.ConnectionClosed:
                 return None
             else:  # PAUSED cannot happen before EndOfMessage; anything else ends the connection

@@ -28,12 +28,14 @@ from qflow.broker.accounting import load_accounting
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.management import ManagementApi, ManagementServer
 from qflow.protocol.entries import Entry
+from qflow.protocol.sasl import check_password, decoy_verifier
 from qflow.server.listener import Server
 from qflow.server.store_task import run_store
 from qflow.store import ConfigStore, DataDir, StoreError
 from qflow.store.journal import Journal
 from qflow.store.message_store import MessageStore
 from qflow.store.quota import QuotaLimits
+from qflow.store.sasl_db import SaslDb
 
 log = logging.getLogger("qflow")
 
@@ -53,6 +55,31 @@ async def _start(nursery: trio.Nursery, what: str, serve: Callable[..., Awaitabl
         return await nursery.start(serve, host, port)
     except OSError as exc:
         raise ListenError(what, host, port, exc) from None
+
+
+def open_users(args: argparse.Namespace) -> SaslDb | None:
+    """The users clients authenticate as (``--auth yes``), or None (``--auth
+    no``: ANONYMOUS, anyone). Raises SaslDbError if the file cannot be read."""
+    if not args.auth:
+        log.info("authentication off (--auth no): ANONYMOUS is offered, and any user named is believed")
+        return None
+    users = SaslDb.open(args.sasl_db)
+    log.info("authentication on: %d users in %s (SCRAM-SHA-256, PLAIN)", len(users.users), users.path)
+    return users
+
+
+def management_authenticator(users: SaslDb | None, secret: bytes) -> Callable[[str, str], bool] | None:
+    """HTTP Basic for the management API, against the same users (None with --auth no)."""
+    if users is None:
+        return None
+
+    def authenticate(user: str, password: str) -> bool:
+        verifier = users.verifier(user)
+        # An unknown user costs the same hashing as a known one.
+        ok = check_password(verifier or decoy_verifier(user, secret), password)
+        return ok and verifier is not None
+
+    return authenticate
 
 
 def open_store(broker: Broker, data_dir: str, resources: ExitStack) -> str:
@@ -79,7 +106,8 @@ async def run(args: argparse.Namespace) -> None:
     accounting = load_accounting()
     log.info("accounting: %s", accounting.name)
     broker = Broker(args.defaults, accounting)
-    server = Server(broker, args.max_frame_size)
+    users = open_users(args)
+    server = Server(broker, args.max_frame_size, users)
     with ExitStack() as resources:
         data_dir = None
         journal = None
@@ -143,9 +171,12 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir,
                        "storeOverfullSize": args.store_quota.overfull if journal is not None else None,
                        "storeUnderfullSize": args.store_quota.resume if journal is not None else None,
-                       "storeSegmentSize": journal.segment_size if journal is not None else None}
+                       "storeSegmentSize": journal.segment_size if journal is not None else None,
+                       "auth": server.users is not None,
+                       "saslDb": str(server.users.path) if server.users is not None else None}
             api = ManagementApi(broker, server, options, store=store)
-            mgmt = ManagementServer(api, timeout=args.mgmt_timeout)
+            mgmt = ManagementServer(api, timeout=args.mgmt_timeout,
+                                    authenticate=management_authenticator(server.users, server.secret))
             mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
             api.options["mgmtPort"] = mgmt_port
             # Long-lived start-up objects need no more cyclic-GC scans.

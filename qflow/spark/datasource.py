@@ -29,7 +29,7 @@ import logging
 import math
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -163,17 +163,25 @@ class Endpoint:
     host: str
     port: int
     connect_timeout: float
+    username: str | None = None  # with password: SCRAM-SHA-256, for a broker with --auth yes
+    password: str | None = field(default=None, repr=False)  # never in a plan or a log
 
     @classmethod
     def parse(cls, opts: dict[str, str]) -> Endpoint:
         host, port = parse_broker(opts.get("broker", DEFAULT_BROKER))
         timeout = _float(opts, "connecttimeout", "connectTimeout", 10.0) or 10.0
-        return cls(host, port, timeout)
+        username, password = opts.get("username"), opts.get("password")
+        if (username is None) != (password is None):
+            raise QflowOptionError("qflow options 'username' and 'password' go together: give both or neither")
+        if username is not None and not username:
+            raise QflowOptionError("qflow option 'username' is empty")
+        return cls(host, port, timeout, username, password)
 
     async def connect(self) -> qflow.client.Connection:
+        credentials = {} if self.username is None else {"username": self.username, "password": self.password}
         try:
             with trio.fail_after(self.connect_timeout):
-                return await qflow.connect(self.host, self.port, name="qflow.spark")
+                return await qflow.connect(self.host, self.port, name="qflow.spark", **credentials)
         except trio.TooSlowError:
             raise ConnectionError(f"qflow: no answer from the broker at {self.host}:{self.port} "
                                   f"within {self.connect_timeout:g} s (option connectTimeout)") from None
@@ -310,11 +318,12 @@ async def _remove_through(endpoint: Endpoint, queue: str, sequence: int) -> int:
         await conn.close()
 
 
-def remove_through(broker: str, queue: str, sequence: int, connect_timeout: float = 10.0) -> int:
+def remove_through(broker: str, queue: str, sequence: int, connect_timeout: float = 10.0,
+                   username: str | None = None, password: str | None = None) -> int:
     """Remove every available message of ``queue`` with a sequence number up
     to and including ``sequence`` (what a job that read them commits)."""
     host, port = parse_broker(broker)
-    return _run(_remove_through, Endpoint(host, port, connect_timeout), queue, int(sequence))
+    return _run(_remove_through, Endpoint(host, port, connect_timeout, username, password), queue, int(sequence))
 
 
 # -- reading ----------------------------------------------------------------------
