@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import trio
@@ -67,8 +68,14 @@ def _ready() -> None:
         raise SystemExit("the benchmark parent went away")
 
 
+def _credentials() -> dict:
+    """The benchmark user's, when the parent runs an authenticating broker (the 64b_auth workload)."""
+    user = os.environ.get("QFLOW_BENCH_USER")
+    return {} if user is None else {"username": user, "password": os.environ["QFLOW_BENCH_PASSWORD"]}
+
+
 async def _produce(port: int, queue: str, count: int, size: int, capacity: int, style: str = "each") -> None:
-    async with await qflow.connect("127.0.0.1", port) as conn:
+    async with await qflow.connect("127.0.0.1", port, **_credentials()) as conn:
         ssn = await conn.session()
         sender = ssn.sender(queue, capacity=capacity)
         body = b"x" * size
@@ -89,7 +96,7 @@ async def _produce(port: int, queue: str, count: int, size: int, capacity: int, 
 
 async def _consume(port: int, queue: str, count: int, capacity: int, rate: float | None = None,
                    style: str = "each") -> None:
-    async with await qflow.connect("127.0.0.1", port) as conn:
+    async with await qflow.connect("127.0.0.1", port, **_credentials()) as conn:
         ssn = await conn.session()
         receiver = await ssn.receiver(queue, capacity=capacity, accept="auto", rate=rate)
         _ready()
@@ -123,9 +130,10 @@ def client_main(argv: list[str]) -> None:
 
 
 def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000,
-            rate: float = 0, style: str = "each") -> subprocess.Popen:
+            rate: float = 0, style: str = "each", env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--client", role, str(port), queue, str(count), str(size),
-                             str(capacity), str(rate), style], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             str(capacity), str(rate), style], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def _expect(proc: subprocess.Popen, word: str) -> str:
@@ -158,36 +166,48 @@ def run_clients(*procs: subprocess.Popen) -> list[float]:
                 proc.wait()
 
 
-async def _query(port: int, queue: str) -> dict:
-    async with await qflow.connect("127.0.0.1", port) as conn:
+async def _query(port: int, queue: str, credentials: dict | None = None) -> dict:
+    async with await qflow.connect("127.0.0.1", port, **(credentials or {})) as conn:
         return await (await conn.session()).query_queue(queue)
 
 
-async def _declare(port: int, queue: str, arguments: dict) -> None:
-    async with await qflow.connect("127.0.0.1", port) as conn:
+async def _declare(port: int, queue: str, arguments: dict, credentials: dict | None = None) -> None:
+    async with await qflow.connect("127.0.0.1", port, **(credentials or {})) as conn:
         ssn = await conn.session()
         await ssn.declare_queue(queue, arguments=arguments)
 
 
 def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
-               consumer_rate: float = 0, style: str = "each") -> dict:
+               consumer_rate: float = 0, style: str = "each", auth: bool = False) -> dict:
     """One producer and one consumer through one queue: msgs/s end to end, from
     the producer's first send to the consumer's last fetch (both processes
-    started and connected before, as bench/compare measures)."""
-    d = start_broker(env=env)
+    started and connected before, as bench/compare measures). ``auth``: the
+    broker runs --auth yes and both clients log in with SCRAM-SHA-256."""
+    from auth import PASSWORD, USER, users_file  # noqa: E402 - bench/ is not a package
+
+    with tempfile.TemporaryDirectory(prefix="qflow-bench-") as tmp:
+        args = ("--auth", "yes", "--sasl-db", users_file(tmp)) if auth else ()
+        d = start_broker(*args, env=env)
+        credentials = {"username": USER, "password": PASSWORD} if auth else {}
+        client_env = {"QFLOW_BENCH_USER": USER, "QFLOW_BENCH_PASSWORD": PASSWORD} if auth else None
+        try:
+            return _throughput(d, count, size, arguments, consumer_rate, style, credentials, client_env)
+        finally:
+            d.stop()
+
+
+def _throughput(d: qflowd.Daemon, count: int, size: int, arguments: dict | None, consumer_rate: float, style: str,
+                credentials: dict, client_env: dict | None) -> dict:
     proc, port = d.proc, d.port
-    try:
-        trio.run(_declare, port, "bench", arguments or {})
-        consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style)
-        producer = _client("produce", port, "bench", count, size, style=style)
-        # From the producer's first send to the consumer's last fetch.
-        t_last, t0 = run_clients(consumer, producer)
-        elapsed = t_last - t0
-        stats = trio.run(_query, port, "bench")
-        return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3),
-                "broker_peak_rss": rss_peak_bytes(proc.pid), "flow_stopped_count": stats["flowStoppedCount"]}
-    finally:
-        d.stop()
+    trio.run(_declare, port, "bench", arguments or {}, credentials)
+    consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style, env=client_env)
+    producer = _client("produce", port, "bench", count, size, style=style, env=client_env)
+    # From the producer's first send to the consumer's last fetch.
+    t_last, t0 = run_clients(consumer, producer)
+    elapsed = t_last - t0
+    stats = trio.run(_query, port, "bench", credentials)
+    return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3),
+            "broker_peak_rss": rss_peak_bytes(proc.pid), "flow_stopped_count": stats["flowStoppedCount"]}
 
 
 def rss_now(pid: int) -> int:
@@ -248,6 +268,8 @@ def main() -> None:
         "1k_batch": lambda: throughput(count // 2, 1024, no_flow, style="batch"),
         # a consumer held to 20k msgs/s: the queue cycles between its thresholds
         "64b_flow_cycling": lambda: throughput(count // 3, 64, cycling, consumer_rate=20_000),
+        # both clients logged in with SCRAM-SHA-256 on a --auth yes broker: the same per-message path
+        "64b_auth": lambda: throughput(count, 64, no_flow, auth=True),
     }
     only = [w for w in args.workloads.split(",") if w]
     for name in only:
@@ -289,6 +311,10 @@ def main() -> None:
 
     core = measure_core(count=5_000 if args.smoke else 200_000, rounds=1 if args.smoke else 3)
     print(f"{'broker core, no I/O':>22}: {core}")
+    from auth import measure as measure_auth  # noqa: E402
+
+    connect = measure_auth(rounds=5 if args.smoke else 40)
+    print(f"{'connection setup':>22}: {connect}")
     spin_after = spin_loop()
     release_kind = "native" if "native" in release else "python"
     out = {
@@ -306,6 +332,9 @@ def main() -> None:
         "rss_bytes_per_queued_msg": memory["rss_bytes_per_queued_msg"],
         "broker_rss_1m_queued": memory["broker_rss_bytes"],
         "broker_core_us_per_msg": core["us_per_msg"],
+        **connect,
+        "msgs_per_s_64b_auth": med["64b_auth"],
+        "auth_over_anonymous_throughput": round(paired("64b_auth", "64b"), 3),
         "broker_peak_rss_64b": max(r["broker_peak_rss"] for r in results["64b"]),
         "count": count,
         "rounds": rounds,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -401,3 +402,45 @@ def test_option_errors(spark: Any, daemon: Daemon, broker: str) -> None:
           r"cannot write columns \['priority'\]")
     fails(write(spark.createDataFrame([(1,)], "payload int"), queue="errs"), "needs a 'body' column")
     assert stats(daemon, "errs")["msgDepth"] == 0
+
+
+# -- authentication ----------------------------------------------------------------------------
+def test_username_and_password_options_are_checked_and_kept_out_of_reprs() -> None:
+    opts = ReadOptions.parse({"queue": "q", "UserName": "alice", "password": "s3cret"})
+    assert (opts.endpoint.username, opts.endpoint.password) == ("alice", "s3cret")
+    assert "s3cret" not in repr(opts)
+    for bad, text in [({"queue": "q", "username": "alice"}, "go together"),
+                      ({"queue": "q", "password": "x"}, "go together"),
+                      ({"queue": "q", "username": "", "password": "x"}, "'username' is empty")]:
+        with pytest.raises(ValueError, match=text):
+            ReadOptions.parse(bad)
+        with pytest.raises(ValueError, match=text):
+            WriteOptions.parse(bad)
+
+
+def test_write_and_read_with_credentials_on_an_authenticating_broker(spark: Any, tmp_path: Any) -> None:
+    db = tmp_path / "users.json"
+    subprocess.run([sys.executable, "-m", "qflow.cli.qflow_passwd", "--sasl-db", str(db), "--iterations", "4096",
+                    "spark"], input="sp4rk\n", text=True, check=True, timeout=60)
+    d = start_qflowd("--auth", "yes", "--sasl-db", str(db))
+    try:
+        broker = f"127.0.0.1:{d.port}"
+
+        async def declare_authenticated() -> None:
+            with trio.fail_after(60):
+                async with qflow.open_connection("127.0.0.1", d.port, username="spark", password="sp4rk") as c:
+                    await (await c.session()).declare_queue("secured")
+
+        trio.run(declare_authenticated)
+        creds = {"username": "spark", "password": "sp4rk"}
+        df = spark.createDataFrame([("a",), ("b",)], "body string")
+        df.write.format("qflow").option("broker", broker).option("queue", "secured").options(**creds) \
+            .mode("append").save()
+        got = read(spark, broker, "secured", **creds).collect()
+        assert sorted(bytes(r.body) for r in got) == [b"a", b"b"]
+        with pytest.raises(Exception, match="authentication failed"):
+            read(spark, broker, "secured", username="spark", password="wrong").collect()
+        with pytest.raises(Exception, match="authentication required"):
+            read(spark, broker, "secured").collect()
+    finally:
+        d.stop()

@@ -1,0 +1,59 @@
+"""The cost of authentication on connection setup (``make bench``): the time
+from opening the socket to the broker's connection.open-ok, for ANONYMOUS
+(a broker with --auth no), PLAIN and SCRAM-SHA-256 (a broker with --auth yes
+and a users file at qflow-passwd's default iteration count), measured
+interleaved in one run. Message throughput once connected is the
+``64b_auth`` workload of bench/run.py.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import trio
+
+import qflow
+from qflow import testing
+from qflow.protocol.sasl import make_verifier
+from qflow.store.sasl_db import SaslDb
+
+USER, PASSWORD = "bench", "bench-password"
+
+
+def users_file(directory: str) -> str:
+    """A users file with the benchmark's user, as qflow-passwd writes it (default iterations)."""
+    path = os.path.join(directory, "users.json")
+    SaslDb(path, {USER: make_verifier(PASSWORD)}).save()
+    return path
+
+
+async def _connect_ms(port: int, **credentials: str) -> float:
+    t0 = time.perf_counter()
+    async with qflow.open_connection("127.0.0.1", port, **credentials):
+        elapsed = time.perf_counter() - t0
+    return elapsed * 1000
+
+
+def measure(rounds: int) -> dict:
+    """Median ms per connection setup, each kind measured ``rounds`` times, interleaved."""
+    with tempfile.TemporaryDirectory(prefix="qflow-bench-auth-") as tmp:
+        open_broker = testing.start("--log-level", "warning", "--no-data-dir")
+        auth_broker = testing.start("--log-level", "warning", "--no-data-dir", "--auth", "yes",
+                                    "--sasl-db", users_file(tmp))
+        try:
+            kinds = {
+                "anonymous": (open_broker.port, {}),
+                "plain": (auth_broker.port, {"username": USER, "password": PASSWORD, "mechanism": "PLAIN"}),
+                "scram": (auth_broker.port, {"username": USER, "password": PASSWORD}),
+            }
+            times: dict[str, list[float]] = {k: [] for k in kinds}
+            for _ in range(rounds):
+                for kind, (port, credentials) in kinds.items():
+                    times[kind].append(trio.run(lambda p=port, c=credentials: _connect_ms(p, **c)))
+            return {f"connect_ms_{k}": round(statistics.median(v), 2) for k, v in times.items()}
+        finally:
+            open_broker.stop()
+            auth_broker.stop()
