@@ -68,7 +68,7 @@ def queues_view(api: Management, args: argparse.Namespace) -> str:
     return "Queues\n" + table(QUEUE_HEADERS, _sorted(QUEUE_HEADERS, rows, args))
 
 
-CONNECTION_HEADERS = ("connection", "name", "connected", "session", "capacity", "incomplete", "held", "unacked",
+CONNECTION_HEADERS = ("connection", "name", "user", "connected", "session", "capacity", "incomplete", "held", "unacked",
                       "heldBy")
 
 
@@ -78,10 +78,10 @@ def connections_view(api: Management, args: argparse.Namespace) -> str:
         sessions = c["sessions"] or [None]
         for s in sessions:
             if s is None:
-                rows.append((c["peer"], c["name"], duration(c["connectedSeconds"]), "", "", "", "", "", ""))
+                rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), "", "", "", "", "", ""))
                 continue
             held_by = ", ".join(f"{h['queue']} ({duration(h['heldSeconds'])})" for h in s["heldBy"])
-            rows.append((c["peer"], c["name"], duration(c["connectedSeconds"]), s["name"] or str(s["channel"]),
+            rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), s["name"] or str(s["channel"]),
                          s["senderCapacity"], s["incompleteCommands"], s["heldTransfers"], s["unackedDeliveries"],
                          held_by))
     return "Connections\n" + table(CONNECTION_HEADERS, _sorted(CONNECTION_HEADERS, rows, args))

@@ -26,7 +26,7 @@ import qflow
 from qflow.protocol import spec as P
 from qflow.protocol.framing import PROTOCOL_HEADER
 from tests.conftest import Daemon, start_qflowd
-from tests.test_tools import DEADLINE, command, ok, refused, run
+from tests.test_tools import DEADLINE, command, ok, refused, run, wait_for
 
 TIMEOUT = 60  # seconds: room for a slow machine, never a timing assertion
 
@@ -186,6 +186,19 @@ def test_every_tool_passes_the_credentials_of_its_broker_url(daemon):
     assert ok(run("qflow-receive", "-b", url, "-a", "tooled", "--messages", "2", "--timeout", "30")).split() \
         == ["hi", "hi"]
     assert "tooled" in ok(run("qflow-stat", "-b", mgmt_url, "-q"))
+    # qflow-stat -c names each connection's user: its own management request is not one, so keep one open.
+    with subprocess.Popen(command("qflow-receive") + ["-b", url, "-a", "tooled", "--forever", "--connection-name",
+                                                      "watched"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          stdin=subprocess.DEVNULL) as receiver:
+        try:
+            def shown() -> list[str]:
+                out = ok(run("qflow-stat", "-b", mgmt_url, "-c"))
+                return [line for line in out.splitlines() if "watched" in line]
+
+            rows = wait_for("the receiver in qflow-stat -c", shown)
+            assert rows[0].split()[1:3] == ["watched", "alice"]
+        finally:
+            receiver.terminate()
     # Without credentials, or with wrong ones: a clear refusal, exit 1, no traceback.
     refused(run("qflow-config", "-b", f"127.0.0.1:{daemon.mgmt_port}", "queues"), 1, "authentication required")
     refused(run("qflow-stat", "-b", f"alice/bad@127.0.0.1:{daemon.mgmt_port}"), 1, "authentication failed")
