@@ -381,7 +381,8 @@ class ProtocolConnection:
     def _check_plain(self, user: str, password: str) -> None:
         verifier = self.users.verifier(user)
         # An unknown user costs the same hashing as a known one: the time taken tells nothing.
-        ok = sasl.check_password(verifier or sasl.decoy_verifier(user, self.secret), password)
+        decoy = verifier or sasl.decoy_verifier(user, self.secret, self.users.usual_iterations)
+        ok = sasl.check_password(decoy, password)
         if verifier is None or not ok:
             raise self._auth_failed(user, "unknown user" if verifier is None else "wrong password")
 
@@ -647,6 +648,8 @@ _NONE = object()
 
 class _NoUsers:
     """With authentication off a SCRAM exchange is not run: its first message only names the user."""
+
+    usual_iterations = sasl.DEFAULT_ITERATIONS
 
     def verifier(self, user: str) -> None:
         return None

@@ -52,7 +52,11 @@ class Verifier(NamedTuple):
 
 
 class Users(Protocol):
-    """The broker's users, as the server side of the exchange asks for them."""
+    """The broker's users, as the server side of the exchange asks for them.
+    ``usual_iterations``: the iteration count most of them have, which an
+    unknown user's decoy shows (another count would tell the user is unknown)."""
+
+    usual_iterations: int
 
     def verifier(self, user: str) -> Verifier | None: ...
 
@@ -82,11 +86,11 @@ def check_password(verifier: Verifier, password: str) -> bool:
     return hmac.compare_digest(stored, verifier.stored_key)
 
 
-def decoy_verifier(user: str, secret: bytes) -> Verifier:
+def decoy_verifier(user: str, secret: bytes, iterations: int = DEFAULT_ITERATIONS) -> Verifier:
     """A verifier for a user who does not exist: the same salt every time for
     that name (so asking twice tells nothing) and keys nobody can match. The
     exchange runs to its end and fails as a wrong password does."""
-    return Verifier(_hmac(secret, b"salt " + user.encode())[:SALT_BYTES], DEFAULT_ITERATIONS,
+    return Verifier(_hmac(secret, b"salt " + user.encode())[:SALT_BYTES], iterations,
                     _hmac(secret, b"stored " + user.encode()), _hmac(secret, b"server " + user.encode()))
 
 
@@ -180,7 +184,9 @@ class ScramServer:
         self.user = _unsaslname(attrs["n"])
         verifier = self.users.verifier(self.user)
         self.known = verifier is not None
-        self._verifier = verifier if verifier is not None else decoy_verifier(self.user, self.secret)
+        if verifier is None:
+            verifier = decoy_verifier(self.user, self.secret, self.users.usual_iterations)
+        self._verifier = verifier
         self._combined_nonce = attrs["r"] + (self._nonce or _nonce())
         server_first = (f"r={self._combined_nonce},s={base64.b64encode(self._verifier.salt).decode('ascii')},"
                         f"i={self._verifier.iterations}")

@@ -76,7 +76,7 @@ def management_authenticator(users: SaslDb | None, secret: bytes) -> Callable[[s
     def authenticate(user: str, password: str) -> bool:
         verifier = users.verifier(user)
         # An unknown user costs the same hashing as a known one.
-        ok = check_password(verifier or decoy_verifier(user, secret), password)
+        ok = check_password(verifier or decoy_verifier(user, secret, users.usual_iterations), password)
         return ok and verifier is not None
 
     return authenticate

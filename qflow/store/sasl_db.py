@@ -20,9 +20,10 @@ import json
 import logging
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 
-from qflow.protocol.sasl import MAX_ITERATIONS, MIN_ITERATIONS, SCRAM_SHA_256, Verifier
+from qflow.protocol.sasl import DEFAULT_ITERATIONS, MAX_ITERATIONS, MIN_ITERATIONS, SCRAM_SHA_256, Verifier
 
 log = logging.getLogger("qflow.auth")
 
@@ -118,6 +119,12 @@ class SaslDb:
             if self._stamp is not None:
                 log.warning("users file %s: %s; keeping the %d users last read", self.path, exc, len(self.users))
                 self._stamp = None  # warn once, then try again at each connection
+
+    @property
+    def usual_iterations(self) -> int:
+        """The iteration count most users have (an unknown user's decoy shows it)."""
+        counts = Counter(v.iterations for v in self.users.values())
+        return counts.most_common(1)[0][0] if counts else DEFAULT_ITERATIONS
 
     def verifier(self, user: str) -> Verifier | None:
         """The user's verifier, from the file as it is now (None: no such user)."""
