@@ -273,3 +273,42 @@ async def test_sasl_db_alone_turns_authentication_on(users):
                 assert conn.user == "bob"
     finally:
         d.stop()
+
+
+def test_qflow_passwd_prompts_twice_on_a_terminal(tmp_path):
+    """On a terminal the password is asked for twice, unechoed; a mismatch sets nothing."""
+    def on_terminal(*answers: str) -> tuple[int, str]:
+        master, slave = os.openpty()
+        proc = subprocess.Popen(command("qflow-passwd") + ["--sasl-db", str(tmp_path / "tty.json"), "--iterations",
+                                                           "4096", "tina"],
+                                stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        out = b""
+        try:
+            for answer in answers:
+                while b":" not in out.rsplit(b"\n", 1)[-1]:  # wait for the prompt
+                    chunk = os.read(master, 1024)
+                    assert chunk, out
+                    out += chunk
+                os.write(master, answer.encode() + b"\n")
+                out += b"\n"
+            code = proc.wait(timeout=DEADLINE)
+            try:
+                while chunk := os.read(master, 1024):
+                    out += chunk
+            except OSError:  # EIO: the child closed the terminal
+                pass
+        finally:
+            os.close(master)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return code, out.decode(errors="replace")
+
+    code, out = on_terminal("t1na-pw", "t1na-pw")
+    assert code == 0 and "Password:" in out and "Again:" in out and "t1na-pw" not in out, out
+    db = json.loads((tmp_path / "tty.json").read_text())
+    assert list(db["users"]) == ["tina"]
+    code, out = on_terminal("one", "two")
+    assert code == 1 and "the passwords do not match" in out, out
+    assert json.loads((tmp_path / "tty.json").read_text()) == db  # nothing changed
