@@ -34,7 +34,7 @@ from qflow.broker.flow import FlowDefaults, SettingsError
 from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
-from qflow.server.daemon import ListenError, run
+from qflow.server.daemon import ListenError, TlsError, run
 from qflow.store import StoreError
 from qflow.store.journal import DEFAULT_SEGMENT_SIZE
 from qflow.store.quota import QuotaError, QuotaLimits
@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "addresses)")
     p.add_argument("--sasl-db", default=None, metavar="FILE",
                    help="the users file (qflow-passwd) clients authenticate against")
+    p.add_argument("--ssl-cert-file", metavar="FILE",
+                   help="the broker's TLS certificate chain (PEM): serve TLS connections on --ssl-port")
+    p.add_argument("--ssl-key-file", metavar="FILE", help="its private key (PEM), if not in --ssl-cert-file")
+    p.add_argument("--ssl-port", type=int, default=None, metavar="PORT",
+                   help="the TLS messaging port; 0 picks a free one (default 5671, or a free one when --port is 0)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
                        help="where durable queues, exchanges and bindings are kept; created if missing, and locked "
@@ -118,6 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"not {args.store_segment_size}")
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
+    if args.ssl_cert_file is None and (args.ssl_key_file is not None or args.ssl_port is not None):
+        p.error("--ssl-key-file and --ssl-port need --ssl-cert-file")
+    if args.ssl_port is None:
+        args.ssl_port = 0 if args.port == 0 else 5671
+    if not 0 <= args.ssl_port <= 65535:
+        p.error(f"--ssl-port must be 0..65535, not {args.ssl_port}")
     if args.auth is None and not is_loopback(args.host):
         p.error(f"--host {args.host} is not a loopback address: say --auth yes (with --sasl-db FILE) or, to let "
                 "anyone in, --auth no")
@@ -160,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: BaseException | None = None
     try:
         trio.run(run, args)
-    except* (ListenError, StoreError, SaslDbError) as group:  # trio wraps what the nursery raised
+    except* (ListenError, StoreError, SaslDbError, TlsError) as group:  # trio wraps what the nursery raised
         failed = group
         while isinstance(failed, BaseExceptionGroup):
             failed = failed.exceptions[0]

@@ -43,6 +43,7 @@ class Daemon:
     mgmt_port: int
     log_path: str | None = None  # where its stderr goes, if a file
     own_data_dir: str | None = None  # the temporary data directory start() made for it, removed by stop()
+    ssl_port: int | None = None  # the TLS messaging port, when started with --ssl-cert-file
 
     @property
     def address(self) -> str:
@@ -126,7 +127,8 @@ def _start(args: tuple[str, ...], env: dict[str, str] | None, log: str | None, t
         detail = open(log).read() if log else ""  # noqa: SIM115
         raise RuntimeError(f"qflowd did not start: {line!r} {detail}")
     fields = dict(item.split("=") for item in line.split()[2:])
-    return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log, own_data_dir)
+    ssl_port = int(fields["ssl-port"]) if "ssl-port" in fields else None
+    return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log, own_data_dir, ssl_port)
 
 
 # -- the in-memory harness -----------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class Connection:
     """A broker connection served over ``stream``. The management API reads
     ``name``, ``user``, ``peer``, ``connected_at`` and ``sessions``."""
 
-    def __init__(self, broker: Broker, stream: trio.SocketStream, max_frame_size: int, peer: str,
+    def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"") -> None:
         self.broker = broker
         self.stream = stream
@@ -123,7 +123,18 @@ class Connection:
                 if protocol.write_close():
                     with trio.move_on_after(1):
                         await self._send_pending()
+                await self._close_stream()
+
+    async def _close_stream(self) -> None:
+        """Close the socket. Over TLS that sends close_notify, which a peer that
+        does not read (or broke the TLS session) cannot hold up for long."""
+        with trio.move_on_after(1):
+            try:
                 await self.stream.aclose()
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.aclose_forcefully(self.stream)
 
     async def _send_pending(self) -> None:
         try:

@@ -16,6 +16,7 @@ import argparse
 import gc
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
@@ -42,6 +43,21 @@ log = logging.getLogger("qflow")
 JOURNAL_DIR = "journal"  # the message journal's subdirectory of the data directory
 
 
+class TlsError(Exception):
+    """The TLS certificate or key cannot be used; main() turns it into one line and exit 1."""
+
+
+def server_ssl_context(cert_file: str, key_file: str | None) -> ssl.SSLContext:
+    """The TLS context of --ssl-port: the broker's certificate chain and key (PEM)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        what = f"--ssl-cert-file {cert_file}" + (f" / --ssl-key-file {key_file}" if key_file else "")
+        raise TlsError(f"cannot load {what}: {getattr(exc, 'strerror', None) or exc}") from None
+    return context
+
+
 class ListenError(Exception):
     """A listener could not be opened; main() turns it into one line and exit 1."""
 
@@ -50,9 +66,9 @@ class ListenError(Exception):
 
 
 async def _start(nursery: trio.Nursery, what: str, serve: Callable[..., Awaitable[None]], host: str,
-                 port: int) -> int:
+                 port: int, *more: object) -> int:
     try:
-        return await nursery.start(serve, host, port)
+        return await nursery.start(serve, host, port, *more)
     except OSError as exc:
         raise ListenError(what, host, port, exc) from None
 
@@ -107,6 +123,7 @@ async def run(args: argparse.Namespace) -> None:
     log.info("accounting: %s", accounting.name)
     broker = Broker(args.defaults, accounting)
     users = open_users(args)
+    tls = server_ssl_context(args.ssl_cert_file, args.ssl_key_file) if args.ssl_cert_file else None
     server = Server(broker, args.max_frame_size, users)
     with ExitStack() as resources:
         data_dir = None
@@ -117,7 +134,7 @@ async def run(args: argparse.Namespace) -> None:
             resources.callback(journal.close)  # after _serve: its nursery has waited for the last sync
         else:
             log.info("no data directory: nothing survives a restart")
-        await _serve(args, broker, server, data_dir, journal)
+        await _serve(args, broker, server, data_dir, journal, tls)
 
 
 def _recover(journal: Journal) -> dict[str, list[Entry]]:
@@ -160,20 +177,24 @@ async def _open_messages(nursery: trio.Nursery, broker: Broker, journal: Journal
 
 
 async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_dir: str | None,
-                 journal: Journal | None) -> None:
+                 journal: Journal | None, tls: ssl.SSLContext | None) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             store = None
             if journal is not None:
                 store = await _open_messages(nursery, broker, journal, args.store_quota)
             port = await _start(nursery, "protocol", server.serve, args.host, args.port)
+            ready = f"qflowd ready port={port}"
+            ssl_port = None
+            if tls is not None:
+                ssl_port = await _start(nursery, "TLS", server.serve, args.host, args.ssl_port, tls)
             options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
                        "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir,
                        "storeOverfullSize": args.store_quota.overfull if journal is not None else None,
                        "storeUnderfullSize": args.store_quota.resume if journal is not None else None,
                        "storeSegmentSize": journal.segment_size if journal is not None else None,
                        "auth": server.users is not None,
-                       "saslDb": str(server.users.path) if server.users is not None else None}
+                       "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port}
             api = ManagementApi(broker, server, options, store=store)
             mgmt = ManagementServer(api, timeout=args.mgmt_timeout,
                                     authenticate=management_authenticator(server.users, server.secret))
@@ -182,7 +203,8 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             # Long-lived start-up objects need no more cyclic-GC scans.
             gc.collect()
             gc.freeze()
-            print(f"qflowd ready port={port} mgmt-port={mgmt_port}", flush=True)
+            ready += f" mgmt-port={mgmt_port}" + (f" ssl-port={ssl_port}" if ssl_port is not None else "")
+            print(ready, flush=True)
             async for _ in signals:
                 # Shutting down closes every session, which deletes exclusive and auto-delete queues: those
                 # deletions are nobody's request, so they are not recorded, and a clean stop recovers what a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 
 import trio
 
@@ -28,23 +29,32 @@ class Server:
         self.connections: set[Connection] = set()
         self.started_at = 0.0
 
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        self.started_at = trio.current_time()
+    async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host``:``port`` (0: a free port, given to ``task_status``);
+        with ``ssl_context``, every connection is TLS (qflowd's --ssl-port)."""
+        if ssl_context is None:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        else:
+            listeners = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host)
+        self.started_at = self.started_at or trio.current_time()
         async with trio.open_nursery() as nursery:
-            task_status.started(listeners[0].socket.getsockname()[1])
+            first = listeners[0]
+            sock = first.transport_listener.socket if isinstance(first, trio.SSLListener) else first.socket
+            task_status.started(sock.getsockname()[1])
             await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: trio.SocketStream | trio.SSLStream) -> None:
+        sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
         try:
-            host, port = stream.socket.getpeername()[:2]
+            host, port = sock.getpeername()[:2]
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
         conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret)
         self.connections.add(conn)
         try:
-            stream.socket.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
+            sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
         except OSError:
             pass
         try:
