@@ -2,6 +2,7 @@
 
     qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--data-dir DIR | --no-data-dir]
            [--store-overfull-size BYTES [--store-underfull-size BYTES]] [--store-segment-size BYTES]
+           [--memory-high-watermark BYTES|FRACTION] [--memory-low-watermark BYTES|FRACTION]
            [--auth yes|no] [--sasl-db FILE]
 
 Authentication (SASL SCRAM-SHA-256 and PLAIN on the messaging port, HTTP
@@ -35,6 +36,7 @@ from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 from qflow.server.daemon import ListenError, TlsError, run
+from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, available_memory
 from qflow.store import StoreError
 from qflow.store.journal import DEFAULT_SEGMENT_SIZE
 from qflow.store.quota import QuotaError, QuotaLimits
@@ -96,7 +98,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     store.add_argument("--store-segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, metavar="BYTES",
                        help="size of the journal's segment files; the journal shrinks a segment at a time, so "
                             f"keep the quota's two sizes several segments apart (default {DEFAULT_SEGMENT_SIZE})")
+    memory = p.add_argument_group("memory alarm (RabbitMQ's vm_memory_high_watermark)")
+    memory.add_argument("--memory-high-watermark", default=str(DEFAULT_HIGH_SHARE), metavar="BYTES|FRACTION",
+                        help="above this much resident memory every producer is held until the alarm clears: a "
+                             "number of bytes, or a fraction (with a point) of the memory available (the RAM, or "
+                             f"the address-space limit if lower); 0 = no alarm (default {DEFAULT_HIGH_SHARE})")
+    memory.add_argument("--memory-low-watermark", default=None, metavar="BYTES|FRACTION",
+                        help="the alarm clears below this; bytes or a fraction as above (default "
+                             f"{DEFAULT_LOW_SHARE:g} of the high watermark)")
     args = p.parse_args(argv)
+    try:
+        args.memory_high = _watermark("--memory-high-watermark", args.memory_high_watermark)
+        args.memory_low = (int(args.memory_high * DEFAULT_LOW_SHARE) if args.memory_low_watermark is None
+                           else _watermark("--memory-low-watermark", args.memory_low_watermark))
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.memory_low > args.memory_high:
+        p.error(f"--memory-low-watermark ({args.memory_low} bytes) must not be above --memory-high-watermark "
+                f"({args.memory_high} bytes)")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be 0..65535, not {args.port}")
     if args.mgmt_port is None:
@@ -162,6 +181,24 @@ def is_loopback(host: str) -> bool:
     except OSError:
         return False  # qflowd then fails to listen, naming the host
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def _watermark(option: str, text: str) -> int:
+    """A watermark in bytes: ``text`` is a whole number of bytes, or a fraction
+    (0 < f <= 1, written with a point) of the memory available."""
+    try:
+        if "." in text:
+            share = float(text)
+            if not 0 < share <= 1:
+                raise ValueError
+            return int(share * available_memory())
+        value = int(text)
+        if value < 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise ValueError(f"{option} must be a number of bytes (0 or more) or a fraction of the memory "
+                         f"available such as 0.4, not {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import select
 import shutil
 import signal
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import IO, Any
 
 from qflow import protocol as P
@@ -85,18 +87,18 @@ class Daemon:
 
 
 def start(*args: str, env: dict[str, str] | None = None, log: str | None = None,
-          timeout: float = 30) -> Daemon:
+          timeout: float = 30, address_space: int | None = None) -> Daemon:
     """Start qflowd with ``args`` on a free protocol port (and, unless ``args``
     say otherwise, a free management port) and a fresh temporary data
     directory (unless ``args`` give ``--data-dir`` or ``--no-data-dir``). Its
     stderr goes to the file ``log``, or nowhere: a pipe nobody reads would fill
-    and block it."""
+    and block it. ``address_space``: its address-space limit (RLIMIT_AS), bytes."""
     own_data_dir = None
     if not any(a in ("--data-dir", "--no-data-dir") or a.startswith("--data-dir=") for a in args):
         own_data_dir = tempfile.mkdtemp(prefix="qflowd-data-")
         args = ("--data-dir", own_data_dir, *args)
     try:
-        return _start(args, env, log, timeout, own_data_dir)
+        return _start(args, env, log, timeout, own_data_dir, address_space)
     except BaseException:
         if own_data_dir is not None:
             shutil.rmtree(own_data_dir, ignore_errors=True)
@@ -104,12 +106,13 @@ def start(*args: str, env: dict[str, str] | None = None, log: str | None = None,
 
 
 def _start(args: tuple[str, ...], env: dict[str, str] | None, log: str | None, timeout: float,
-           own_data_dir: str | None) -> Daemon:
+           own_data_dir: str | None, address_space: int | None = None) -> Daemon:
     stderr: IO | int = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "qflow.cli.qflowd", "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **(env or {})},
+            preexec_fn=None if address_space is None else partial(_limit_address_space, address_space),
         )
     finally:
         if log:
@@ -129,6 +132,10 @@ def _start(args: tuple[str, ...], env: dict[str, str] | None, log: str | None, t
     fields = dict(item.split("=") for item in line.split()[2:])
     ssl_port = int(fields["ssl-port"]) if "ssl-port" in fields else None
     return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log, own_data_dir, ssl_port)
+
+
+def _limit_address_space(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 # -- the in-memory harness -----------------------------------------------------------------------------

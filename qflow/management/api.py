@@ -293,14 +293,16 @@ class ManagementApi:
     having ``peer``, ``name``, ``sessions`` and ``connected_at`` in trio time);
     ``options`` are the daemon's settings to report under ``/api/broker``;
     ``store`` is the durable message store (anything with ``stats()``, as
-    qflow.store.message_store.MessageStore), None without a data directory.
+    qflow.store.message_store.MessageStore), None without a data directory;
+    ``memory`` the memory alarm (qflow.broker.memory_alarm.MemoryAlarm), None: none.
     """
 
     def __init__(self, broker: Broker, server: Any = None, options: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time, store: Any = None) -> None:
+                 clock: Callable[[], float] = time.time, store: Any = None, memory: Any = None) -> None:
         self.broker = broker
         self.server = server
         self.store = store
+        self.memory = memory
         self.options = dict(options or {})
         self._clock = clock
         self.started_at = clock()
@@ -460,7 +462,7 @@ class ManagementApi:
     def broker_view(self, queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``views.broker_view`` with this API's server, options and start time."""
         return broker_view(self.broker, self.server, self.options, self.started_at, self._clock(), queues,
-                           self.store)
+                           self.store, self.memory)
 
     def get_broker(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)

@@ -51,13 +51,21 @@ BROKER_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-# (metric, type, help, field of the broker view): the durable store's quota (qflow.store.quota).
-STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+# (metric, type, help, field of the broker view): the durable store's quota (qflow.store.quota), then the memory alarm.
+RESOURCE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("qflow_store_size_bytes", "gauge", "Bytes of the message journal on disk (storeSize).", "storeSize"),
     ("qflow_store_overfull", "gauge", "1 while the store is overfull: persistent producers are held "
      "(storeOverfull).", "storeOverfull"),
     ("qflow_store_overfull_total", "counter", "Times the store became overfull (storeOverfullCount).",
      "storeOverfullCount"),
+    # the memory alarm (qflow.broker.memory_alarm)
+    ("qflow_memory_used_bytes", "gauge", "Resident memory of qflowd when last measured (memoryUsed).", "memoryUsed"),
+    ("qflow_memory_high_watermark_bytes", "gauge", "Above this the memory alarm is set, 0 = off "
+     "(memoryHighWatermark).", "memoryHighWatermark"),
+    ("qflow_memory_alarm", "gauge", "1 while the memory alarm is set: every producer is held (memoryAlarm).",
+     "memoryAlarm"),
+    ("qflow_memory_alarm_total", "counter", "Times the memory alarm was set (memoryAlarmCount).",
+     "memoryAlarmCount"),
 )
 
 
@@ -79,7 +87,7 @@ def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]]) -> str:
     family("qflow_uptime_seconds", "gauge", "Seconds since the broker started.", [("", broker["uptimeSeconds"])])
     for metric, help_, key in BROKER_METRICS:
         family(metric, "gauge", help_, [("", broker["totals"][key])])
-    for metric, type_, help_, key in STORE_METRICS:
+    for metric, type_, help_, key in RESOURCE_METRICS:
         family(metric, type_, help_, [("", broker[key])])
     labelled = [(f'{{queue="{_label(view["name"])}"}}', view) for view in queues]
     for metric, type_, help_, key in QUEUE_METRICS:

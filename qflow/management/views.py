@@ -137,6 +137,9 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
 
 # The store's statistics when there is none (--no-data-dir).
 _NO_STORE = {"storeSize": 0, "storeOverfull": False, "storeOverfullCount": 0}
+# The memory alarm's statistics when there is none (a broker made without one).
+_NO_MEMORY_ALARM = {"memoryUsed": 0, "memoryHighWatermark": 0, "memoryLowWatermark": 0, "memoryAlarm": False,
+                    "memoryAlarmCount": 0}
 
 # The queue statistics the broker view sums over every queue.
 _SUMMED = ("msgDepth", "byteDepth", "msgTotalEnqueues", "msgTotalDequeues", "byteTotalEnqueues",
@@ -144,15 +147,17 @@ _SUMMED = ("msgDepth", "byteDepth", "msgTotalEnqueues", "msgTotalDequeues", "byt
 
 
 def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at: float, now: float,
-                queues: list[dict[str, Any]] | None = None, store: Any = None) -> dict[str, Any]:
-    """Version, uptime, the options in force, the totals and the durable store.
+                queues: list[dict[str, Any]] | None = None, store: Any = None, memory: Any = None) -> dict[str, Any]:
+    """Version, uptime, the options in force, the totals, the durable store and the memory alarm.
 
     ``options`` are the daemon's settings (ports, timeouts) to show beside the
     broker's own defaults. The totals are sums over the queue views, so they
     agree with ``/api/queues`` by construction; pass ``queues`` when the caller
     has built them already. ``store`` (its ``stats()``: storeSize,
     storeOverfull, storeOverfullCount) is None without a data directory: then
-    there is nothing on disk, never overfull.
+    there is nothing on disk, never overfull. ``memory`` (its ``stats()``:
+    memoryUsed, memoryHighWatermark, memoryLowWatermark, memoryAlarm,
+    memoryAlarmCount) is the memory alarm (qflow.broker.memory_alarm).
     """
     if queues is None:
         queues = queue_views(broker)
@@ -175,4 +180,5 @@ def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at
         },
         "totals": totals,
         **(store.stats() if store is not None else _NO_STORE),
+        **(memory.stats() if memory is not None else _NO_MEMORY_ALARM),
     }

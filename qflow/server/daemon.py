@@ -27,10 +27,12 @@ import trio
 from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
 from qflow.broker.config_hooks import ConfigHooks
+from qflow.broker.memory_alarm import MemoryAlarm
 from qflow.management import ManagementApi, ManagementServer
 from qflow.protocol.entries import Entry
 from qflow.protocol.sasl import check_password, decoy_verifier
 from qflow.server.listener import Server
+from qflow.server.memory_monitor import run_memory_monitor
 from qflow.server.store_task import run_store
 from qflow.store import ConfigStore, DataDir, StoreError
 from qflow.store.journal import Journal
@@ -183,6 +185,12 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             store = None
             if journal is not None:
                 store = await _open_messages(nursery, broker, journal, args.store_quota)
+            alarm = MemoryAlarm(broker, args.memory_high, args.memory_low)
+            if alarm.high:
+                log.info("memory alarm: high watermark %d bytes, low watermark %d bytes", alarm.high, alarm.low)
+                nursery.start_soon(run_memory_monitor, alarm)
+            else:
+                log.info("memory alarm: off (--memory-high-watermark 0)")
             port = await _start(nursery, "protocol", server.serve, args.host, args.port)
             ready = f"qflowd ready port={port}"
             ssl_port = None
@@ -195,7 +203,7 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "storeSegmentSize": journal.segment_size if journal is not None else None,
                        "auth": server.users is not None,
                        "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port}
-            api = ManagementApi(broker, server, options, store=store)
+            api = ManagementApi(broker, server, options, store=store, memory=alarm)
             mgmt = ManagementServer(api, timeout=args.mgmt_timeout,
                                     authenticate=management_authenticator(server.users, server.secret))
             mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
