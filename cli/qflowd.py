@@ -42,6 +42,8 @@ from qflow.store.journal import DEFAULT_SEGMENT_SIZE
 from qflow.store.quota import QuotaError, QuotaLimits
 from qflow.store.sasl_db import SaslDbError
 
+from ._common import yes_no
+
 DEFAULT_DATA_DIR = "~/.qflowd"
 MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE = 4096, 1 << 30
 
@@ -161,15 +163,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except SettingsError as exc:
         p.error(str(exc))
     return args
-
-
-def yes_no(text: str) -> bool:
-    low = text.lower()
-    if low in ("yes", "true", "1", "y"):
-        return True
-    if low in ("no", "false", "0", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
 
 
 def is_loopback(host: str) -> bool:

@@ -91,13 +91,8 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
     leaving the block if the connection's own tasks failed (a client bug,
     the original error as its ``__cause__``) and the block did not raise.
     """
-    credentials = _credentials(username, password, mechanism)
-    stream = await _open_stream(host, port, ssl_context)
-    try:
-        conn = Connection(stream, name, heartbeat, max_frame_size, **credentials)
-    except ValueError:
-        await trio.aclose_forcefully(stream)
-        raise
+    conn = await _new_connection(host, port, name, heartbeat, max_frame_size, username, password, mechanism,
+                                 ssl_context)
     raised: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -119,6 +114,19 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
         raise conn.error
 
 
+async def _new_connection(host: str, port: int, name: str, heartbeat: float, max_frame_size: int,
+                          username: str | None, password: str | None, mechanism: str | None,
+                          ssl_context: ssl.SSLContext | None) -> Connection:
+    """A Connection over a new stream to ``host:port``, not started yet."""
+    credentials = _credentials(username, password, mechanism)
+    stream = await _open_stream(host, port, ssl_context)
+    try:
+        return Connection(stream, name, heartbeat, max_frame_size, **credentials)
+    except ValueError:
+        await trio.aclose_forcefully(stream)
+        raise
+
+
 async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", heartbeat: float = 0,
                   max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, username: str | None = None,
                   password: str | None = None, mechanism: str | None = None,
@@ -135,13 +143,8 @@ async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", 
     next call. Only a client bug is reported differently: as ConnectionClosed
     from calls, not raised again at the end. Prefer ``open_connection``.
     """
-    credentials = _credentials(username, password, mechanism)
-    stream = await _open_stream(host, port, ssl_context)
-    try:
-        conn = Connection(stream, name, heartbeat, max_frame_size, **credentials)
-    except ValueError:
-        await trio.aclose_forcefully(stream)
-        raise
+    conn = await _new_connection(host, port, name, heartbeat, max_frame_size, username, password, mechanism,
+                                 ssl_context)
     trio.lowlevel.spawn_system_task(conn._serve, name=f"qflow connection {name!r}")
     try:
         await conn._handshake()
