@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qflow.protocol.entries import ENTRY_HEAD, ENTRY_HEAD_SIZE, REDELIVERED_YES, Entry, seq_and_size
+from qflow.store.datadir import fsync_dir
 
 log = logging.getLogger("qflow.store")
 
@@ -315,14 +316,14 @@ class Journal:
                 raise OSError(f"short write to segment {batch.segment}: {written} of {len(head) + len(payload)} bytes")
             os.fdatasync(self._fd)
             if batch.new_segment:  # the new name counts only once the directory says so
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
         except BaseException as exc:
             self._failed = f"{type(exc).__name__}: {exc}"
             raise
         if batch.unlink:
             for number in batch.unlink:
                 os.unlink(self._path(number))
-            _fsync_dir(self.directory)  # dead segments are removed head first: never leave a gap behind
+            fsync_dir(self.directory)  # dead segments are removed head first: never leave a gap behind
 
     def _open_segment(self, number: int) -> None:
         if self._fd >= 0:
@@ -431,7 +432,7 @@ class Journal:
             os.unlink(path)
         for n in later:
             os.replace(self._path(n), where / self._path(n).name)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
 
 _HEADER_RECORD_SIZE = _RECORD.size + _HEADER.size
@@ -455,14 +456,6 @@ def _encode(batch: Batch) -> bytes:
         parts += [pack(*item) for item in items]
     parts += [memoryview(entry)[ENTRY_HEAD_SIZE:] for _, entry in batch.bodies]
     return b"".join(parts)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int, Entry]]]) -> tuple[int, str]:
