@@ -211,7 +211,8 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
         assert got == sent[0] and receiver.available() == 0  # every message sent arrived, once
         await conn.close()
         view = _api(d, "/api/broker")
-        assert not view["memoryAlarm"] and view["memoryAlarmCount"] == 1 and view["memoryUsed"] < low
+        # Cleared below low; the producer went on afterwards, so the memory may have grown since (not past high).
+        assert not view["memoryAlarm"] and view["memoryAlarmCount"] == 1 and view["memoryUsed"] <= high
         assert "qflow_memory_alarm_total 1" in _metrics(d)
     finally:
         d.stop()
