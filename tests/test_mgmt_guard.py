@@ -186,7 +186,7 @@ def test_dns_rebinding_a_foreign_host_is_refused_for_every_method(daemon: Daemon
     assert depth(d, "rebound") == 3
     assert request(d, "GET", "/api/queues/planted")[0] == 404
     assert ("amq.direct", "rebound", "") not in bindings(d)
-    log = wait_for_log(d, f"refused GET /api/connections from 127.0.0.1:")
+    log = wait_for_log(d, "refused GET /api/connections from 127.0.0.1:")
     assert f"Host '{evil}' is not a name of this broker" in log
 
 
