@@ -1,6 +1,6 @@
 """qflowd: the qflow broker.
 
-    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--data-dir DIR | --no-data-dir]
+    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--mgmt-allowed-host NAME]... [--data-dir DIR | --no-data-dir]
            [--store-overfull-size BYTES [--store-underfull-size BYTES]] [--store-segment-size BYTES]
            [--memory-high-watermark BYTES|FRACTION] [--memory-low-watermark BYTES|FRACTION]
            [--auth yes|no] [--sasl-db FILE]
