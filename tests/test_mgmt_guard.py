@@ -13,6 +13,7 @@ The browser itself attacks in tests/test_browser_attack.py.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import socket
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -283,3 +285,29 @@ def test_mgmt_allowed_host_is_checked(bad: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("qflowd: --mgmt-allowed-host: ") and "not a host name" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_rules_hold_with_authentication_on_and_valid_credentials(tmp_path: Path) -> None:
+    """"Whatever the auth setting": a browser replays a user's cached Basic
+    credentials, so they must not open the API to another origin's page."""
+    db = tmp_path / "users.json"
+    ok(run("qflow-passwd", "--sasl-db", str(db), "--iterations", "4096", "alice", stdin="pw\n"))
+    d = start_qflowd("--mgmt-port", "0", "--auth", "yes", "--sasl-db", str(db))
+    try:
+        basic = {"Authorization": "Basic " + base64.b64encode(b"alice:pw").decode()}
+        ok(run("qflow-config", "-b", f"alice/pw@127.0.0.1:{d.mgmt_port}", "add", "queue", "guarded"))
+        ok(run("qflow-send", "-b", f"alice/pw@{d.address}", "-a", "guarded", "-m", "3", "--content-string", "x"))
+        purge = "/api/queues/guarded/purge"
+        assert request(d, "POST", purge, {**basic, "Host": "evil.example", **JSON})[0] == 421
+        assert request(d, "GET", "/api/queues", {**basic, "Host": "evil.example"})[0] == 421
+        assert request(d, "POST", purge, {**basic, "Origin": "http://evil.example", **JSON})[0] == 403
+        assert request(d, "POST", purge, {**basic, "Content-Type": "text/plain"})[0] == 415
+        # Without credentials the guard still answers first for a foreign Host; a proper request needs them.
+        assert request(d, "GET", "/api/queues", {"Host": "evil.example"})[0] == 421
+        assert request(d, "GET", "/api/queues/guarded")[0] == 401
+        status, q = request(d, "GET", "/api/queues/guarded", basic)
+        assert (status, q["msgDepth"]) == (200, 3)
+        status, answer = request(d, "POST", purge, {**basic, **JSON})
+        assert (status, answer["purged"]) == (200, 3)
+    finally:
+        d.stop()
