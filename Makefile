@@ -19,14 +19,21 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/
 	$(PY) -c "import qflow._accounting_native, qflow._transfers_native"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The browser the cross-origin test drives (tests/test_browser_attack.py): Debian's chromium, installed
+# with apt-get (as root) when missing; Playwright's own browser download is never used.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+install: $(STAMP) | $(CHROMIUM)
 
 run: $(STAMP)
 	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT)
 
 # The benchmarks' smoke run first (so they never rot), then the whole suite once
 # per accounting implementation; pytest's summary is the last line.
-test: $(STAMP)
+test: $(STAMP) | $(CHROMIUM)
 	$(PY) bench/run.py --smoke
 	QFLOW_ACCOUNTING=native $(PY) -m pytest
 	QFLOW_ACCOUNTING=python $(PY) -m pytest -m "not native_only"
@@ -34,7 +41,7 @@ test: $(STAMP)
 # Flakiness check: the suite N times, JOBS at once; lists every test that failed at least once.
 N ?= 10
 JOBS ?= 1
-test-repeat: $(STAMP)
+test-repeat: $(STAMP) | $(CHROMIUM)
 	$(PY) tools/test_repeat.py -n $(N) --jobs $(JOBS)
 
 lint: $(STAMP)

@@ -143,7 +143,9 @@ class Management:
         """The decoded JSON answer; raises ToolError with the broker's message
         for a 4xx/5xx, or a one-line reason when the broker cannot be reached."""
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        # qflowd refuses a state-changing request not declared JSON, even with no body (what keeps web
+        # pages' forms out: qflow.management.guard).
+        headers = {"Content-Type": "application/json"} if data is not None or method != "GET" else {}
         headers.update(self._auth)
         for attempt in (1, 2):
             try:

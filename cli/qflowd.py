@@ -1,6 +1,6 @@
 """qflowd: the qflow broker.
 
-    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--data-dir DIR | --no-data-dir]
+    qflowd --host 127.0.0.1 --port 5672 --mgmt-port 8672 [--mgmt-allowed-host NAME]... [--data-dir DIR | --no-data-dir]
            [--store-overfull-size BYTES [--store-underfull-size BYTES]] [--store-segment-size BYTES]
            [--memory-high-watermark BYTES|FRACTION] [--memory-low-watermark BYTES|FRACTION]
            [--auth yes|no] [--sasl-db FILE]
@@ -34,6 +34,7 @@ import trio
 from qflow.broker.flow import FlowDefaults, SettingsError
 from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
+from qflow.management.guard import allowed_host_problem
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 from qflow.server.daemon import ListenError, TlsError, run
 from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, available_memory
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mgmt-timeout", type=float, default=DEFAULT_MGMT_TIMEOUT, metavar="SECS",
                    help="seconds a management request may take to arrive, and an idle management "
                         f"connection may stay open (default {DEFAULT_MGMT_TIMEOUT:g})")
+    p.add_argument("--mgmt-allowed-host", dest="mgmt_allowed_hosts", action="append", default=[], metavar="NAME",
+                   help="another name the management API may be addressed by (its Host header), besides "
+                        "localhost, the loopback and listening addresses and this machine's hostname; "
+                        "repeatable")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -127,6 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--mgmt-port must be 0..65535, not {args.mgmt_port}")
     if not 0 < args.mgmt_timeout < 86400:
         p.error(f"--mgmt-timeout must be more than 0 seconds and less than a day, not {args.mgmt_timeout:g}")
+    for name in args.mgmt_allowed_hosts:
+        problem = allowed_host_problem(name)
+        if problem is not None:
+            p.error(f"--mgmt-allowed-host: {problem}")
     if args.data_dir == "":
         p.error("--data-dir must name a directory (or use --no-data-dir)")
     if args.data_dir is None:

@@ -35,7 +35,8 @@ def qflowd(data_dir: Path, *args: str) -> Daemon:
 
 def api(d: Daemon, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{d.mgmt_port}{path}", data=data, method=method)
+    request = urllib.request.Request(f"http://127.0.0.1:{d.mgmt_port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
             return response.status, json.loads(response.read())

@@ -32,6 +32,7 @@ from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry, encode_tail, redelivered, seq_of
+from qflow.protocol.names import printable
 from qflow.protocol.session_output import SessionOutput
 
 log = logging.getLogger("qflow.broker")
@@ -466,7 +467,7 @@ class Broker:
         # qpidd accepts such a queue and logs a warning; so does qflowd (the queue is not refused).
         warning = resume_without_stop(arguments)
         if warning:
-            log.warning('queue "%s": %s', name, warning)
+            log.warning('queue "%s": %s', printable(name), warning)
 
     def delete_queue(self, name: str, if_empty: bool = False, if_unused: bool = False) -> int:
         q = self.queue("queue.delete", name)
@@ -490,7 +491,7 @@ class Broker:
                 self.config_hooks.delete_queue(q)
             except CommandError as exc:
                 log.error('queue "%s" is deleted, but the store could not record it (it may come back after a '
-                          'restart): %s', q.name, exc.text)
+                          'restart): %s', printable(q.name), printable(exc.text))
         self._apply()
         for ex in self.exchanges.values():
             ex.unbind_queue(q)

@@ -15,6 +15,7 @@ from qflow import protocol as P
 from qflow.broker.queue import Consumer, Queue
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry
+from qflow.protocol.names import check_name
 from qflow.protocol.ranges import RangeSet
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ NO_COMPLETE = object()  # a handler's result: the command completes later (execu
 
 def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, durable: bool, exclusive: bool,
                    auto_delete: bool, arguments: dict, passive: bool) -> dict:
+    if queue not in broker.queues:  # a name the broker holds already (recovered from older data) stays usable
+        check_name("queue.declare", "queue", queue)
     q, created = broker.declare_queue(queue, durable, exclusive, auto_delete, arguments, passive, owner=ssn)
     return {"queue": q.name, "created": created}
 
@@ -54,6 +57,8 @@ def _queue_modify(broker: Broker, ssn: BrokerSession, cid: int, queue: str, argu
 
 def _exchange_declare(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, type_: str, durable: bool,
                       passive: bool) -> dict:
+    if exchange not in broker.exchanges:
+        check_name("exchange.declare", "exchange", exchange)
     return {"exchange": exchange, "created": broker.declare_exchange(exchange, type_, durable, passive)}
 
 

@@ -59,6 +59,7 @@ from qflow.broker.ops import (
     Transition,
 )
 from qflow.protocol.entries import Entry
+from qflow.protocol.names import printable
 
 if TYPE_CHECKING:
     from qflow.broker.queue import Queue
@@ -136,7 +137,7 @@ class FlowLimit:
         if over and not self.worst_warned:
             log.warning('queue "%s": worst-case depth %d (stop %d + sender capacities %d) exceeds qpid.max_count %d;'
                         " a transfer can still be rejected despite flow control",
-                        q.name, worst, s.stop_count, sum(self.writers.values()), s.max_count)
+                        printable(q.name), worst, s.stop_count, sum(self.writers.values()), s.max_count)
         self.worst_warned = over
 
 
@@ -353,7 +354,7 @@ class FlowControl:
     def _transitions(self, transitions: list[Transition], settings: QueueSettings | None) -> None:
         for queue_slot, flow_on, count, nbytes in transitions:
             q = self.queues[queue_slot]
-            log.info(describe_transition(q.name, settings or q.settings, flow_on, count, nbytes))
+            log.info(describe_transition(printable(q.name), settings or q.settings, flow_on, count, nbytes))
             if not flow_on:
                 self.released(q)
 

@@ -23,6 +23,7 @@ from qflow import protocol as P
 from qflow.client.errors import FlowControlTimeout, QflowError
 from qflow.client.pacing import pace
 from qflow.protocol.encodings import bin_header, transfer_prefix
+from qflow.protocol.names import printable
 
 if TYPE_CHECKING:
     from qflow.client.session import Session
@@ -273,7 +274,7 @@ class Sender:
                     P.RESOURCE_LIMIT_EXCEEDED,
                     f"send timed out after {now - started:.0f}s waiting for broker flow control (queues: {held})")
             if self.session.held_by:
-                log.warning("send delayed by %.0fs due to broker flow control on queue %s", now - started, held)
+                log.warning("send delayed by %.0fs due to broker flow control on queue %s", now - started, printable(held))
             next_notice += self.flow_notify
         self._raise_errors()
 

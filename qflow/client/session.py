@@ -13,6 +13,7 @@ from qflow.client.errors import ConnectionClosed, QflowError, error_for
 from qflow.client.receiver import Receiver
 from qflow.client.sender import Sender
 from qflow.protocol.commands import OutgoingCommands
+from qflow.protocol.names import printable
 
 if TYPE_CHECKING:
     from qflow.client.connection import Connection
@@ -72,7 +73,7 @@ class Session:
         elif isinstance(owner, Sender):
             owner.errors.append(err)
         else:
-            log.warning("broker refused command %d: %s", cid, err)
+            log.warning("broker refused command %d: %s", cid, printable(err))
 
     def _flow_notice(self, queue: str, held: bool) -> None:
         if held:

@@ -56,6 +56,7 @@ from qflow.management.views import (
     queue_views,
 )
 from qflow.protocol import CommandError
+from qflow.protocol.names import name_problem
 
 log = logging.getLogger("qflow.management")
 
@@ -185,6 +186,14 @@ def _get(body: dict[str, Any], key: str, kind: type, default: Any = None, requir
     if type(value) is not kind:
         raise ApiError(400, f"field {key!r} must be {_json_type(kind())}, not {_json_type(value)}")
     return value
+
+
+def _check_new_name(kind: str, name: str) -> None:
+    """A name for a new queue or exchange (qflow.protocol.names); 400 naming it.
+    Names the broker holds already, recovered from older data, stay usable."""
+    problem = name_problem(name)
+    if problem is not None:
+        raise ApiError(400, f"{kind} name {name[:300]!r}: {problem}")
 
 
 _TRUE = frozenset({"", "1", "true", "yes", "on"})
@@ -362,6 +371,8 @@ class ManagementApi:
         auto_delete = _get(fields, "autoDelete", bool, False)
         arguments = _get(fields, "arguments", dict, {})
         q = self.broker.queues.get(name)
+        if q is None:
+            _check_new_name("queue", name)
         if q is not None:
             differs = [f"{key}: has {json.dumps(have)}, asked {json.dumps(want)}" for key, have, want in (
                 ("durable", q.durable, durable), ("autoDelete", q.auto_delete, auto_delete),
@@ -417,6 +428,8 @@ class ManagementApi:
         fields = _fields(parse_json_object(body), ("type", "durable"))
         type_ = _get(fields, "type", str, required=True)
         durable = _get(fields, "durable", bool, False)
+        if name not in self.broker.exchanges:
+            _check_new_name("exchange", name)
         created = self.broker.declare_exchange(name, type_, durable)
         return json_response(201 if created else 200, exchange_view(self.broker.exchanges[name]))
 

@@ -21,6 +21,8 @@ import trio
 
 from qflow import __version__
 from qflow.management.api import ManagementApi, Response, error_response
+from qflow.management.guard import RequestGuard
+from qflow.protocol.names import printable
 
 log = logging.getLogger("qflow.management")
 
@@ -41,6 +43,7 @@ class _Reject(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.head = False  # the refused request is a HEAD: its answer has no body
 
 
 # (user, password) -> whether they are a user's credentials; None: no authentication (--auth no)
@@ -91,13 +94,21 @@ class ManagementServer:
     heads over 16 KiB (431), targets over 8 KiB (414), more than 64 headers (431) or bodies over 1 MiB
     (413) are refused without reading further; at most ``max_connections``
     at once (503 beyond). A faulty request closes its own connection only.
+    Before any route runs, and whatever the authentication setting, ``guard``
+    (qflow.management.guard) refuses requests a web page could have sent: a
+    foreign Host (421), a foreign Origin (403) or a state-changing request
+    whose body is not declared JSON (415); each refusal is logged and closes
+    the connection.
     """
 
     def __init__(self, api: ManagementApi, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS, authenticate: Authenticate | None = None) -> None:
-        """``authenticate``: every request needs HTTP Basic credentials it accepts (401 without)."""
+                 max_connections: int = MAX_CONNECTIONS, authenticate: Authenticate | None = None,
+                 guard: RequestGuard | None = None) -> None:
+        """``authenticate``: every request needs HTTP Basic credentials it accepts (401 without).
+        ``guard``: the Host, Origin and Content-Type rules (default: the broker's own names only)."""
         self.api = api
         self.authenticate = authenticate
+        self.guard = guard if guard is not None else RequestGuard()
         self.timeout = timeout
         self.max_connections = max_connections
         self.active = 0
@@ -105,6 +116,7 @@ class ManagementServer:
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
                     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
+        self.guard.listen_on(host)
         task_status.started(listeners[0].socket.getsockname()[1])
         await trio.serve_listeners(self._handle, listeners)
 
@@ -127,19 +139,16 @@ class ManagementServer:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        try:
-            host, port = stream.socket.getpeername()[:2]
-            peer = f"{host}:{port}"
-        except OSError:
-            peer = "?"
+        local, peer = _addresses(stream)
         while True:
             received = [False]  # did any byte of this request arrive?
             request = None
             with trio.move_on_after(self.timeout) as scope:
                 try:
-                    request = await self._read_request(conn, stream, received)
+                    request = await self._read_request(conn, stream, received, local, peer)
                 except _Reject as exc:
-                    await self._respond(conn, stream, error_response(exc.status, exc.message), close=True)
+                    await self._respond(conn, stream, error_response(exc.status, exc.message), close=True,
+                                        head=exc.head)
                     await self._linger(stream)
                     return
             if scope.cancelled_caught:
@@ -157,8 +166,9 @@ class ManagementServer:
                 return
             conn.start_next_cycle()
 
-    async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream,
-                            received: list[bool]) -> tuple[str, bytes, bytes, list[tuple[bytes, bytes]]] | None:
+    async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream, received: list[bool],
+                            local: str | None, peer: str
+                            ) -> tuple[str, bytes, bytes, list[tuple[bytes, bytes]]] | None:
         request: h11.Request | None = None
         body = bytearray()
         while True:
@@ -175,20 +185,11 @@ class ManagementServer:
                 conn.receive_data(data)
             elif type(event) is h11.Request:
                 request = event
-                if event.http_version not in (b"1.0", b"1.1"):
-                    raise _Reject(505, f"HTTP/{event.http_version.decode('ascii', 'replace')} is not supported; "
-                                       "use HTTP/1.1")
-                if len(event.target) > MAX_TARGET:
-                    raise _Reject(414, f"request target longer than {MAX_TARGET} bytes")
-                if len(event.headers) > MAX_HEADERS:
-                    raise _Reject(431, f"more than {MAX_HEADERS} header fields")
-                # h11 bounds a head only while it is incomplete; one that arrived whole in a single
-                # read may be longer, so measure it (near enough: line ends and separators count 4).
-                if sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD:
-                    raise _Reject(431, f"request header fields longer than {MAX_HEAD} bytes")
-                length = next((v for k, v in event.headers if k == b"content-length"), None)
-                if length is not None and int(length) > MAX_BODY:  # h11 has checked it is digits
-                    raise _Reject(413, f"request body of {int(length)} bytes exceeds the limit of {MAX_BODY}")
+                try:
+                    self._check_head(event, local, peer)
+                except _Reject as exc:
+                    exc.head = event.method == b"HEAD"
+                    raise
             elif type(event) is h11.Data:
                 body += event.data
                 if len(body) > MAX_BODY:
@@ -201,6 +202,28 @@ class ManagementServer:
                 return None
             else:  # PAUSED cannot happen before EndOfMessage; anything else ends the connection
                 return None
+
+    def _check_head(self, event: h11.Request, local: str | None, peer: str) -> None:
+        """Refuse (raise _Reject) a request on its head alone: version, sizes, then the guard."""
+        if event.http_version not in (b"1.0", b"1.1"):
+            raise _Reject(505, f"HTTP/{event.http_version.decode('ascii', 'replace')} is not supported; "
+                               "use HTTP/1.1")
+        if len(event.target) > MAX_TARGET:
+            raise _Reject(414, f"request target longer than {MAX_TARGET} bytes")
+        if len(event.headers) > MAX_HEADERS:
+            raise _Reject(431, f"more than {MAX_HEADERS} header fields")
+        # h11 bounds a head only while it is incomplete; one that arrived whole in a single
+        # read may be longer, so measure it (near enough: line ends and separators count 4).
+        if sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD:
+            raise _Reject(431, f"request header fields longer than {MAX_HEAD} bytes")
+        length = next((v for k, v in event.headers if k == b"content-length"), None)
+        if length is not None and int(length) > MAX_BODY:  # h11 has checked it is digits
+            raise _Reject(413, f"request body of {int(length)} bytes exceeds the limit of {MAX_BODY}")
+        refusal = self.guard.check(event.method, event.headers, local)
+        if refusal is not None:
+            log.warning("refused %s %s from %s: %s", printable(event.method.decode("latin-1")),
+                        printable(event.target.decode("latin-1")[:200]), peer, refusal.message)
+            raise _Reject(refusal.status, refusal.message)
 
     async def _respond(self, conn: h11.Connection, stream: trio.SocketStream, response: Response, *,
                        close: bool = False, head: bool = False) -> None:
@@ -237,6 +260,16 @@ class ManagementServer:
                     drained += len(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+
+
+def _addresses(stream: trio.SocketStream) -> tuple[str | None, str]:
+    """The connection's local address (a Host naming it is ours) and its peer, as host:port for the log."""
+    try:
+        local = stream.socket.getsockname()[0]
+        peer_address = stream.socket.getpeername()
+    except (OSError, AttributeError):
+        return None, "?"
+    return local, f"{peer_address[0]}:{peer_address[1]}"
 
 
 def _headers(response: Response, close: bool) -> list[tuple[str, str]]:

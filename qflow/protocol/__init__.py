@@ -6,6 +6,8 @@ the client, and both sides use it.
 * ``framing``: bytes to frames and frames to bytes.
 * ``entries``: a stored message as the broker keeps it and delivers it.
 * ``ranges``: sets of command ids as ranges.
+* ``names``: what a queue or exchange name may hold, and escaping client-chosen
+  strings for log lines.
 * ``commands``: a session's command bookkeeping on either side (ids,
   completion, what to report).
 """

@@ -20,6 +20,7 @@ from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
 from qflow.protocol.connection import AuthFailed, ConnectionEnd, Opened
 from qflow.protocol.framing import READ_SIZE, FramingError
+from qflow.protocol.names import printable
 from qflow.protocol.sasl import Users
 from qflow.server.pump import ConnectionPump
 
@@ -90,9 +91,9 @@ class Connection:
                     log.warning("connection %s: authentication failed for user %s (%s)", self.peer,
                                 escape(exc.user), exc.detail)
                 except ConnectionEnd as exc:
-                    log.info("connection %s closed: %s", self.peer, exc.text)
+                    log.info("connection %s closed: %s", self.peer, printable(exc.text))
                 except FramingError as exc:
-                    log.info("connection %s closed: %s", self.peer, exc)
+                    log.info("connection %s closed: %s", self.peer, printable(exc))
                     protocol.malformed(exc)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     protocol.connection_lost()  # the peer is gone

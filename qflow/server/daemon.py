@@ -28,7 +28,7 @@ from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.memory_alarm import MemoryAlarm
-from qflow.management import ManagementApi, ManagementServer
+from qflow.management import ManagementApi, ManagementServer, RequestGuard
 from qflow.protocol.entries import Entry
 from qflow.protocol.sasl import check_password, decoy_verifier
 from qflow.server.listener import Server
@@ -202,10 +202,12 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "storeUnderfullSize": args.store_quota.resume if journal is not None else None,
                        "storeSegmentSize": journal.segment_size if journal is not None else None,
                        "auth": server.users is not None,
-                       "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port}
+                       "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port,
+                       "mgmtAllowedHosts": list(args.mgmt_allowed_hosts)}
             api = ManagementApi(broker, server, options, store=store, memory=alarm)
             mgmt = ManagementServer(api, timeout=args.mgmt_timeout,
-                                    authenticate=management_authenticator(server.users, server.secret))
+                                    authenticate=management_authenticator(server.users, server.secret),
+                                    guard=RequestGuard(args.mgmt_allowed_hosts))
             mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
             api.options["mgmtPort"] = mgmt_port
             # Long-lived start-up objects need no more cyclic-GC scans.
