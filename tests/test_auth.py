@@ -122,7 +122,7 @@ async def test_failed_authentication_closes_with_one_reason_logs_it_and_harms_no
 async def test_a_user_name_cannot_forge_a_log_line(daemon):
     await refusal(daemon, username="evil\n2026-01-01 INFO qflow: forged", password="x")
     with trio.fail_after(TIMEOUT):
-        while "evil\\n2026" not in daemon.log():
+        while "evil\\x0a2026" not in daemon.log():
             await trio.sleep(0.05)
     assert not any(line.startswith("2026-01-01 INFO qflow: forged") for line in daemon.log().splitlines())
 

@@ -77,8 +77,7 @@ def unauthorized(headers: list[tuple[bytes, bytes]], authenticate: Authenticate 
     if credentials is not None and authenticate(*credentials):
         return None
     if credentials is not None:
-        user = credentials[0].encode("unicode_escape").decode("ascii").replace("'", "\\'")
-        log.warning("management %s: authentication failed for user '%s'", peer, user)
+        log.warning("management %s: authentication failed for user '%s'", peer, printable(credentials[0]))
     response = error_response(401, "authentication required: this broker's management API takes HTTP Basic "
                                    "credentials of its users (--sasl-db)" if credentials is None
                               else "authentication failed")

@@ -27,12 +27,6 @@ from qflow.server.pump import ConnectionPump
 log = logging.getLogger("qflow.server")
 
 
-def escape(text: str) -> str:
-    """``text`` quoted for a log line: a user name chosen by a client cannot
-    forge lines or move a terminal's cursor."""
-    return "'" + text.encode("unicode_escape").decode("ascii").replace("'", "\\'") + "'"
-
-
 def _negotiated(attr: str) -> property:
     """A connection's read-only view of its protocol state's ``attr``."""
     return property(lambda self: getattr(self.protocol, attr), doc=f"The connection's {attr}, once open.")
@@ -88,8 +82,8 @@ class Connection:
                 try:
                     await self._reader()
                 except AuthFailed as exc:
-                    log.warning("connection %s: authentication failed for user %s (%s)", self.peer,
-                                escape(exc.user), exc.detail)
+                    log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
+                                printable(exc.user), exc.detail)
                 except ConnectionEnd as exc:
                     log.info("connection %s closed: %s", self.peer, printable(exc.text))
                 except FramingError as exc:
