@@ -185,11 +185,11 @@ def parse(text: str) -> Acl:
                            else f"action {action!r} does not apply to object {obj!r}")
         users = None if who == "all" else groups.get(who) or frozenset({user_name(who)})
         if ended:
-            log.warning("ACL line %d is ignored: the rule on line %d ('all all') ends the list", line, ended)
+            log.warning("ACL line %d is ignored: the rule on line %d (acl ... all all) ends the list", line, ended)
             continue
         rules.append(Rule(permission.startswith("allow"), permission.endswith("-log"), users, pairs,
                           tuple(props.items()), line))
-        if action == "all" and obj == "all" and not props:
+        if who == "all" and action == "all" and obj == "all" and not props:
             ended = line
     return Acl(rules, groups)
 

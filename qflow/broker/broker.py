@@ -22,7 +22,7 @@ import msgpack
 
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
-from qflow.broker.acl import Acl
+from qflow.broker.acl import Acl, AclDenied
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
@@ -141,13 +141,24 @@ class Broker:
 
     def _checked_transfer(self, ssn: BrokerSession, command_id: int, exchange: str, routing_key: str,
                           properties: dict | None, body: bytes, tail: bytes | None = None) -> None:
-        # With an ACL: each (exchange, routing key) is decided once per session, then remembered.
-        if (exchange, routing_key) not in ssn.published:
-            self.acl.check(ssn.user, "publish", "exchange",  # type: ignore[union-attr]
-                           {"name": exchange or "amq.default", "routingkey": routing_key})
-            if len(ssn.published) >= MAX_PUBLISHED:
-                ssn.published.clear()
-            ssn.published.add((exchange, routing_key))
+        # With an ACL: each (exchange, routing key) is decided once per session (and logged
+        # once, for -log rules), then remembered: a refused producer's flood costs no rule
+        # walk and no log line per message.
+        key = (exchange, routing_key)
+        published = ssn.published
+        denied = published.get(key, True)
+        if denied is True:
+            denied = None
+            try:
+                self.acl.check(ssn.user, "publish", "exchange",  # type: ignore[union-attr]
+                               {"name": exchange or "amq.default", "routingkey": routing_key})
+            except AclDenied as exc:
+                denied = exc.text
+            if len(published) >= MAX_PUBLISHED:
+                published.clear()
+            published[key] = denied
+        if denied is not None:
+            raise AclDenied(denied)  # a new one each time: a raised exception keeps its traceback
         Broker.transfer(self, ssn, command_id, exchange, routing_key, properties, body, tail)
 
     def check_owner(self, q: Queue, command: str, ssn: BrokerSession | None) -> None:
@@ -263,8 +274,8 @@ class Broker:
             queues = self.route(exchange, routing_key, properties)
         except (ValueError, TypeError, CommandError):  # bad UTF-8, unhashable keys, bad properties, no exchange
             return 0
-        if self.acl is not None and (exchange, routing_key) not in ssn.published:
-            return 0  # the first frame goes through transfer(), which asks the ACL (and remembers)
+        if self.acl is not None and ssn.published.get((exchange, routing_key), True) is not None:
+            return 0  # not (yet) allowed: the frame goes through transfer(), which asks the ACL (and remembers)
         if not queues:
             return 0
         max_bytes = 1 << 64

@@ -37,9 +37,9 @@ class BrokerSession:
                  user: str = "") -> None:
         self.channel = channel
         self.user = user  # its connection's authenticated user (the ACL's subject, and the views)
-        # (exchange, routing key) pairs the ACL let this session publish to: decided once each,
-        # forgotten when the rules are reloaded (Broker.set_acl)
-        self.published: set[tuple[str, str]] = set()
+        # The ACL's publish decisions for this session, by (exchange, routing key): None
+        # allowed, else the denial. Decided once each, forgotten on reload (Broker.set_acl).
+        self.published: dict[tuple[str, str], Any] = {}
         self.name = name
         self.slot = slot  # the accounting's session number, never reused
         self.out = out if out is not None else SessionOutput(channel)  # tests and benchmarks read it in memory
