@@ -175,8 +175,7 @@ def connect(d: Daemon, user: str) -> Any:
 def mgmt(d: Daemon, method: str, path: str, user: str | None, body: Any = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{d.mgmt_port}{path}", data=data, method=method)
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
+    request.add_header("Content-Type", "application/json")  # a change must say JSON (the management guard)
     if user is not None:
         token = base64.b64encode(f"{user}:{PASSWORDS[user]}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
