@@ -399,3 +399,28 @@ def test_reload_without_an_acl_file_is_refused():
         assert status == 409 and "--acl-file" in answer["error"]
     finally:
         d.stop()
+
+
+def test_management_lists_show_only_what_the_user_may_access():
+    """GET lists are filtered by ``access`` on each object; a single object not
+    allowed is a 403 naming it; without an ACL, everything shows."""
+    from qflow.management import ManagementApi
+
+    broker = Broker()
+    for name in ("carol.a", "secret"):
+        broker.declare_queue(name)
+    broker.bind("amq.topic", "secret", "s")
+    api = ManagementApi(broker)
+
+    def get(path: str, user: str) -> tuple[int, Any]:
+        response = api.handle("GET", path.encode(), b"", user)
+        return response.status, json.loads(response.body)
+
+    assert {q["name"] for q in get("/api/queues", "carol")[1]} == {"carol.a", "secret"}
+    broker.set_acl(parse("acl allow carol access queue name=carol.*\nacl allow carol access exchange name=amq.d*\n"))
+    assert [q["name"] for q in get("/api/queues", "carol")[1]] == ["carol.a"]
+    assert get("/api/queues/secret", "carol") == (403, {"error": "not allowed: carol access queue name=secret"})
+    assert {e["name"] for e in get("/api/exchanges", "carol")[1]} == {"", "amq.direct"}
+    assert get("/api/bindings", "carol")[1] == []
+    assert get("/api/connections", "carol") == (200, [])
+    assert get("/api/broker", "carol") == (403, {"error": "not allowed: carol access broker"})
