@@ -67,7 +67,7 @@ def _queue_modify(broker: Broker, ssn: BrokerSession, cid: int, queue: str, argu
 def _exchange_declare(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, type_: str, durable: bool,
                       passive: bool) -> dict:
     if passive:
-        broker.authorize(ssn.user, "access", "exchange", {"name": exchange})
+        broker.authorize(ssn.user, "access", "exchange", {"name": exchange or "amq.default"})
     else:
         broker.authorize(ssn.user, "create", "exchange", {"name": exchange, "type": type_, "durable": durable})
     return {"exchange": exchange, "created": broker.declare_exchange(exchange, type_, durable, passive)}
