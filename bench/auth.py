@@ -34,7 +34,7 @@ acl deny producers publish exchange name=amq.topic routingkey=secret.*
 acl allow producers create queue name=bench*
 acl allow producers access queue
 acl allow producers consume queue name=bench*
-acl allow producers publish exchange name=amq.default routingkey=bench*
+acl allow producers publish exchange name=amq.default routingkey=bench
 acl deny all all
 """
 

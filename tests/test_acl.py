@@ -40,7 +40,7 @@ acl allow admins all
 acl deny-log alice publish exchange name=amq.default routingkey=payments
 acl allow bob all queue name=payments
 acl allow bob publish exchange name=amq.default routingkey=payments
-acl deny staff create queue name=tmp.* queuemaxsizelowerlimit=1000001
+acl allow staff create queue name=tmp.* queuemaxsizeupperlimit=1000000
 acl allow staff all queue name=tmp.*
 acl allow staff publish exchange name=amq.default routingkey=tmp.*
 acl allow staff access queue
@@ -76,9 +76,12 @@ def test_groups_continuations_comments_realms_and_wildcards():
                 "acl allow g2 bind exchange name=amq.topic routingkey=stocks.#\n"
                 "acl allow g1 create queue name=tmp.*\n")
     assert acl.groups["g2"] == {"alice", "bob", "carol"}
-    acl.check("carol", "bind", "exchange", {"name": "amq.topic", "queuename": "q", "routingkey": "stocks.#"})
-    with pytest.raises(AclDenied):  # '#' in a value is data, and matched literally
-        acl.check("carol", "bind", "exchange", {"name": "amq.topic", "queuename": "q", "routingkey": "#"})
+    # A rule's routingkey is a topic pattern, as in qpidd ('#' after a word is data, not a comment).
+    for key in ("stocks.#", "stocks", "stocks.rht.x"):
+        acl.check("carol", "bind", "exchange", {"name": "amq.topic", "queuename": "q", "routingkey": key})
+    for key in ("#", "bonds.x", "stocksx"):
+        with pytest.raises(AclDenied):
+            acl.check("carol", "bind", "exchange", {"name": "amq.topic", "queuename": "q", "routingkey": key})
     acl.check("alice", "create", "queue", {"name": "tmp.x", "durable": False})
     with pytest.raises(AclDenied):
         acl.check("carol", "create", "queue", {"name": "tmp.x"})
@@ -98,6 +101,16 @@ def test_queue_limit_properties_bound_create_and_update():
     acl.check("u", "update", "queue", {"name": "q", "flowstopcount": 50})
     with pytest.raises(AclDenied):
         acl.check("u", "update", "queue", {"name": "q", "flowstopcount": 51})
+
+
+def test_an_allow_rule_out_of_its_limits_denies_as_in_qpidd():
+    """qpidd demotes a matching allow rule whose limit check fails to a deny:
+    the request does not fall through to the rules below."""
+    acl = parse("acl allow-log all create queue name=tmp.* queuemaxcountupperlimit=100\nacl allow all all\n")
+    acl.check("u", "create", "queue", {"name": "tmp.a", "queuemaxcount": 100})
+    with pytest.raises(AclDenied, match="^not allowed: u create queue name=tmp.a queuemaxcount=101$"):
+        acl.check("u", "create", "queue", {"name": "tmp.a", "queuemaxcount": 101})
+    acl.check("u", "create", "queue", {"name": "tmp.a"})  # names no limit: the rule does not match
 
 
 @pytest.mark.parametrize("text, line, message", [

@@ -14,7 +14,11 @@ The syntax and the decisions follow the Qpid C++ broker's ACL files
   properties) ends the list, and the rules after it are ignored, as qpidd
   does; when nothing matches the request is denied (qpidd's implicit final
   ``acl deny all all``);
-* a property value ending in ``*`` matches every value with that prefix;
+* a property value ending in ``*`` matches every value with that prefix,
+  except a rule's ``routingkey``, which is a topic pattern (``*`` one word,
+  ``#`` zero or more), as in qpidd;
+* a limit property (``queuemaxsizeupperlimit=N``...) out of bounds makes an
+  allow rule that otherwise matches a deny, as in qpidd;
 * ``user@QPID`` (qpidd's default realm) names the user ``user``: qflow's users
   have no realm.
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qflow import protocol as P
+from qflow.broker.exchange import topic_matches
 from qflow.protocol import CommandError
 
 log = logging.getLogger("qflow.acl")
@@ -89,6 +94,7 @@ class Rule:
     pairs: frozenset[tuple[str, str]]  # the (action, object) pairs it covers
     props: tuple[tuple[str, str], ...]
     line: int
+    topic: tuple[str, ...] | None  # the routingkey property as a topic pattern's words
 
 
 def user_name(name: str) -> str:
@@ -187,30 +193,38 @@ def parse(text: str) -> Acl:
         if ended:
             log.warning("ACL line %d is ignored: the rule on line %d (acl ... all all) ends the list", line, ended)
             continue
+        topic = tuple(props["routingkey"].split(".")) if "routingkey" in props else None
         rules.append(Rule(permission.startswith("allow"), permission.endswith("-log"), users, pairs,
-                          tuple(props.items()), line))
+                          tuple(props.items()), line, topic))
         if who == "all" and action == "all" and obj == "all" and not props:
             ended = line
     return Acl(rules, groups)
 
 
-def _matches(props: tuple[tuple[str, str], ...], request: dict[str, Any]) -> bool:
-    for key, want in props:
+def _matches(rule: Rule, request: dict[str, Any]) -> tuple[bool, bool]:
+    """(whether ``rule`` matches ``request``, whether the request is within its limits)."""
+    within = True
+    for key, want in rule.props:
         if key in LIMITS:
-            got = request.get(key[:-len("lowerlimit")] if key.endswith("lowerlimit") else key[:-len("upperlimit")])
-            if type(got) is not int or (got < int(want) if key.endswith("lowerlimit") else got > int(want)):
-                return False
+            got = request.get(key[:-len("lowerlimit")])  # "lowerlimit" and "upperlimit": the same length
+            if type(got) is not int:
+                return False, True  # a limit rule matches only a request that names the limit
+            if got < int(want) if key.endswith("lowerlimit") else got > int(want):
+                within = False
             continue
         got = request.get(key)
         if got is None:
-            return False
+            return False, True
         got = str(got).lower() if type(got) is bool else str(got)
-        if want.endswith("*") and not want.endswith("\\*"):
+        if key == "routingkey":
+            if not topic_matches(list(rule.topic or ()), got.split(".") if got else []):
+                return False, True
+        elif want.endswith("*"):
             if not got.startswith(want[:-1]):
-                return False
+                return False, True
         elif got != want:
-            return False
-    return True
+            return False, True
+    return True, within
 
 
 def describe(user: str, action: str, obj: str, request: dict[str, Any]) -> str:
@@ -226,34 +240,34 @@ class Acl:
         self.rules = rules
         self.groups = groups
 
-    def decide(self, user: str, action: str, obj: str, request: dict[str, Any]) -> Rule | None:
-        """The first rule that matches the request, or None (denied)."""
+    def decide(self, user: str, action: str, obj: str, request: dict[str, Any]) -> tuple[Rule | None, bool]:
+        """The first rule that matches the request (None: none does, denied),
+        and whether it allows: an allow rule whose limits the request exceeds denies."""
         pair = (action, obj)
         for rule in self.rules:
-            if pair in rule.pairs and (rule.users is None or user in rule.users) and _matches(rule.props, request):
-                return rule
-        return None
+            if pair in rule.pairs and (rule.users is None or user in rule.users):
+                match, within = _matches(rule, request)
+                if match:
+                    return rule, rule.allow and within
+        return None, False
 
     def check(self, user: str, action: str, obj: str, request: dict[str, Any]) -> None:
         """Raise AclDenied unless ``user`` may do ``action`` on ``obj`` with
         the properties ``request`` (a queue's limits by their base names:
         ``queuemaxsize``...); log it if the deciding rule says ``-log``."""
-        rule = self.decide(user, action, obj, request)
-        if rule is not None and not rule.log and rule.allow:
+        rule, allowed = self.decide(user, action, obj, request)
+        if allowed and not rule.log:  # type: ignore[union-attr]
             return
         text = describe(user, action, obj, request)
-        if rule is None:
-            raise AclDenied(f"not allowed: {text}")
-        if rule.log:
-            log.info("ACL %s (line %d): %s", "allowed" if rule.allow else "denied", rule.line,
+        if rule is not None and rule.log:
+            log.info("ACL %s (line %d): %s", "allowed" if allowed else "denied", rule.line,
                      text.encode("unicode_escape").decode("ascii"))
-        if not rule.allow:
+        if not allowed:
             raise AclDenied(f"not allowed: {text}")
 
     def may(self, user: str, action: str, obj: str, request: dict[str, Any]) -> bool:
         """Whether ``user`` may; no log (views filtered by what each user may see)."""
-        rule = self.decide(user, action, obj, request)
-        return rule is not None and rule.allow
+        return self.decide(user, action, obj, request)[1]
 
 
 def queue_request(name: str, arguments: dict[str, Any], **flags: Any) -> dict[str, Any]:
