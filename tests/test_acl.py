@@ -437,3 +437,26 @@ def test_management_lists_show_only_what_the_user_may_access():
     assert get("/api/bindings", "carol")[1] == []
     assert get("/api/connections", "carol") == (200, [])
     assert get("/api/broker", "carol") == (403, {"error": "not allowed: carol access broker"})
+
+
+async def test_with_auth_no_clients_are_anonymous_or_who_they_say(tmp_path):
+    """With --auth no, an ANONYMOUS client and a management request without
+    credentials are the user ``anonymous``; a named user is believed."""
+    acl = tmp_path / "open.acl"
+    acl.write_text("acl allow anonymous access queue\nacl allow anonymous create queue name=anon.*\n"
+                   "acl allow carol all all\nacl deny all all\n")
+    d = start("--auth", "no", "--acl-file", str(acl), "--no-data-dir")
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with qflow.open_connection("127.0.0.1", d.port) as conn:
+                ssn = await conn.session()
+                await ssn.declare_queue("anon.q")
+                with pytest.raises(NotAllowed, match=r"^not allowed: anonymous purge queue name=anon\.q \(code 530\)$"):
+                    await ssn.purge_queue("anon.q")
+            async with qflow.open_connection("127.0.0.1", d.port, username="carol", password="x") as conn:
+                await (await conn.session()).purge_queue("anon.q")
+        assert mgmt(d, "GET", "/api/queues/anon.q", None)[0] == 200
+        assert mgmt(d, "DELETE", "/api/queues/anon.q", None) == (
+            403, {"error": "not allowed: anonymous delete queue name=anon.q"})
+    finally:
+        d.stop()
