@@ -23,6 +23,29 @@ from qflow.store.sasl_db import SaslDb
 USER, PASSWORD = "bench", "bench-password"
 
 
+# The ACL of the 64b_acl workload (bench/run.py) and of core.py --acl: a few
+# rules ahead of the ones that let the benchmark's user (or anonymous) work,
+# as a real file would have, ending in qpidd's deny-all.
+BENCH_ACL = """group admins admin ops
+group producers bench anonymous
+acl allow admins all
+acl deny all purge queue name=audit.*
+acl deny producers publish exchange name=amq.topic routingkey=secret.*
+acl allow producers create queue name=bench*
+acl allow producers access queue
+acl allow producers consume queue name=bench*
+acl allow producers publish exchange name=amq.default routingkey=bench
+acl deny all all
+"""
+
+
+def acl_file(directory: str) -> str:
+    path = os.path.join(directory, "bench.acl")
+    with open(path, "w") as f:
+        f.write(BENCH_ACL)
+    return path
+
+
 def users_file(directory: str) -> str:
     """A users file with the benchmark's user, as qflow-passwd writes it (default iterations)."""
     path = os.path.join(directory, "users.json")

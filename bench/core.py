@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from qflow import protocol as P  # noqa: E402
 from qflow.broker import Broker  # noqa: E402
+from qflow.broker.acl import parse  # noqa: E402
 from qflow.protocol.framing import PROTOCOL_HEADER  # noqa: E402
 from qflow.server.pump import ConnectionPump  # noqa: E402
 
@@ -48,21 +50,27 @@ def _open(conn: ConnectionPump, deliver_runs: bool = False) -> None:
     conn.encoder.take()
 
 
-def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: bool = True) -> float:
-    """Seconds of broker work for ``count`` messages through one queue."""
+def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: bool = True,
+              acl: bool = False) -> float:
+    """Seconds of broker work for ``count`` messages through one queue (``acl``:
+    with bench/auth.py's BENCH_ACL in force)."""
     broker = Broker()
+    if acl:
+        from auth import BENCH_ACL  # noqa: E402 - bench/ is not a package
+
+        broker.set_acl(parse(BENCH_ACL))
     producer = ConnectionPump(broker, 1 << 20, 0.0)
     consumer = ConnectionPump(broker, 1 << 20, 0.0)
     _open(producer)
     _open(consumer, deliver_runs)
     pk = msgpack.Packer(use_bin_type=True)
-    _feed(producer, pk.pack([P.QUEUE_DECLARE, 0, "q", False, False, False, arguments, False]))
-    _feed(consumer, pk.pack([P.SUBSCRIBE, 0, "q", "d", P.ACCEPT_EXPLICIT, P.ACQUIRE_PRE_ACQUIRED, 0])
+    _feed(producer, pk.pack([P.QUEUE_DECLARE, 0, "bench", False, False, False, arguments, False]))
+    _feed(consumer, pk.pack([P.SUBSCRIBE, 0, "bench", "d", P.ACCEPT_EXPLICIT, P.ACQUIRE_PRE_ACQUIRED, 0])
           + pk.pack([P.FLOW, 0, "d", 1000, -1]))
     producer.encoder.take()
     consumer.encoder.take()
     body = b"x" * size
-    frame = pk.pack([P.TRANSFER, 0, "", "q", None, body])
+    frame = pk.pack([P.TRANSFER, 0, "", "bench", None, body])
     chunks = [frame * batch] * (count // batch)
     unpacker = msgpack.Unpacker(raw=False)
     delivered = 0
@@ -108,13 +116,13 @@ def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: 
 
 
 def measure(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int = 3, flow: bool = False,
-            deliver_runs: bool = True) -> dict:
+            deliver_runs: bool = True, acl: bool = False) -> dict:
     """Median broker microseconds per message, in total and split."""
     arguments = {"qpid.flow_stop_count": 100_000_000, "qpid.max_size": 0} if flow else NO_FLOW
     PARTS.clear()
 
     async def run() -> list[float]:
-        return [one_round(count, size, batch, arguments, deliver_runs) for _ in range(rounds)]
+        return [one_round(count, size, batch, arguments, deliver_runs, acl) for _ in range(rounds)]
 
     times = trio.run(run)
     return {
@@ -122,6 +130,21 @@ def measure(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int 
         "transfer_and_deliver_us": round(statistics.median(p[0] for p in PARTS) / count * 1e6, 2),
         "accept_and_credit_us": round(statistics.median(p[1] for p in PARTS) / count * 1e6, 2),
     }
+
+
+def acl_overhead(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int = 5) -> dict:
+    """Broker us/msg without and with an ACL in force, rounds interleaved in
+    one run; ``acl_over_none`` is the median of each round's ratio."""
+    pairs = []
+
+    async def run() -> None:
+        for _ in range(rounds):
+            pairs.append((one_round(count, size, batch, NO_FLOW), one_round(count, size, batch, NO_FLOW, acl=True)))
+
+    trio.run(run)
+    return {"us_per_msg_no_acl": round(statistics.median(a for a, _ in pairs) / count * 1e6, 3),
+            "us_per_msg_acl": round(statistics.median(b for _, b in pairs) / count * 1e6, 3),
+            "acl_over_none": round(statistics.median(b / a for a, b in pairs), 3), "rounds": rounds, "count": count}
 
 
 def main() -> None:
@@ -133,7 +156,12 @@ def main() -> None:
     parser.add_argument("--flow", action="store_true", help="flow thresholds configured, never reached")
     parser.add_argument("--single-deliveries", action="store_true",
                         help="a consumer that takes one message.deliver frame per message")
+    parser.add_argument("--acl", action="store_true",
+                        help="without and with an ACL (bench/auth.py BENCH_ACL), interleaved: the ratio")
     args = parser.parse_args()
+    if args.acl:
+        print(json.dumps(acl_overhead(args.count, args.size, args.batch, args.rounds)))
+        return
     r = measure(args.count, args.size, args.batch, args.rounds, args.flow, not args.single_deliveries)
     print(f"broker core: {r['us_per_msg']:.2f} us/msg ({1e6 / r['us_per_msg']:,.0f} msg/s of broker CPU); "
           f"transfer+deliver {r['transfer_and_deliver_us']} us, accept+credit {r['accept_and_credit_us']} us")

@@ -178,15 +178,18 @@ async def _declare(port: int, queue: str, arguments: dict, credentials: dict | N
 
 
 def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
-               consumer_rate: float = 0, style: str = "each", auth: bool = False) -> dict:
+               consumer_rate: float = 0, style: str = "each", auth: bool = False, acl: bool = False) -> dict:
     """One producer and one consumer through one queue: msgs/s end to end, from
     the producer's first send to the consumer's last fetch (both processes
     started and connected before, as bench/compare measures). ``auth``: the
-    broker runs --auth yes and both clients log in with SCRAM-SHA-256."""
-    from auth import PASSWORD, USER, users_file  # noqa: E402 - bench/ is not a package
+    broker runs --auth yes and both clients log in with SCRAM-SHA-256; ``acl``:
+    and the broker checks bench/auth.py's BENCH_ACL (--acl-file)."""
+    from auth import PASSWORD, USER, acl_file, users_file  # noqa: E402 - bench/ is not a package
 
     with tempfile.TemporaryDirectory(prefix="qflow-bench-") as tmp:
         args = ("--auth", "yes", "--sasl-db", users_file(tmp)) if auth else ()
+        if acl:
+            args += ("--acl-file", acl_file(tmp))
         d = start_broker(*args, env=env)
         credentials = {"username": USER, "password": PASSWORD} if auth else {}
         client_env = {"QFLOW_BENCH_USER": USER, "QFLOW_BENCH_PASSWORD": PASSWORD} if auth else None
@@ -270,6 +273,8 @@ def main() -> None:
         "64b_flow_cycling": lambda: throughput(count // 3, 64, cycling, consumer_rate=20_000),
         # both clients logged in with SCRAM-SHA-256 on a --auth yes broker: the same per-message path
         "64b_auth": lambda: throughput(count, 64, no_flow, auth=True),
+        # the same with an ACL file: publish decided once per session and routing key
+        "64b_acl": lambda: throughput(count, 64, no_flow, auth=True, acl=True),
     }
     only = [w for w in args.workloads.split(",") if w]
     for name in only:
@@ -335,6 +340,8 @@ def main() -> None:
         **connect,
         "msgs_per_s_64b_auth": med["64b_auth"],
         "auth_over_anonymous_throughput": round(paired("64b_auth", "64b"), 3),
+        "msgs_per_s_64b_acl": med["64b_acl"],
+        "acl_over_auth_throughput": round(paired("64b_acl", "64b_auth"), 3),
         "broker_peak_rss_64b": max(r["broker_peak_rss"] for r in results["64b"]),
         "count": count,
         "rounds": rounds,

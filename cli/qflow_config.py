@@ -14,6 +14,7 @@ bindings through qflowd's management API, as qpid-config does for qpidd.
     qflow-config del exchange NAME
     qflow-config bind EXCHANGE QUEUE [KEY]
     qflow-config unbind EXCHANGE QUEUE [KEY]
+    qflow-config reload-acl                              read qflowd's --acl-file again
 
 As with qpid-config, options may come before or after the command, success is
 silent, a refusal prints ``Failed: <the broker's message>`` on stderr and exits
@@ -59,7 +60,8 @@ USAGE = """qflow-config [OPTIONS]
        qflow-config [OPTIONS] add exchange TYPE NAME [--durable]
        qflow-config [OPTIONS] del exchange NAME
        qflow-config [OPTIONS] bind EXCHANGE QUEUE [KEY]
-       qflow-config [OPTIONS] unbind EXCHANGE QUEUE [KEY]"""
+       qflow-config [OPTIONS] unbind EXCHANGE QUEUE [KEY]
+       qflow-config [OPTIONS] reload-acl"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +179,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, api: Manageme
         _need(parser, rest, 2, 3, f"{cmd} EXCHANGE QUEUE [KEY]")
         body = {"exchange": rest[0], "queue": rest[1], "key": rest[2] if len(rest) > 2 else ""}
         api.request("POST" if cmd == "bind" else "DELETE", "/api/bindings", body)
+        return None
+    if cmd == "reload-acl":
+        _need(parser, rest, 0, 0, "reload-acl")
+        api.request("POST", "/api/acl/reload")
         return None
     parser.error(f"unknown command {cmd!r}")
     return None

@@ -36,7 +36,7 @@ from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.management.guard import allowed_host_problem
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
-from qflow.server.daemon import ListenError, TlsError, run
+from qflow.server.daemon import AclFileError, ListenError, TlsError, run
 from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, available_memory
 from qflow.store import StoreError
 from qflow.store.journal import DEFAULT_SEGMENT_SIZE
@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "addresses)")
     p.add_argument("--sasl-db", default=None, metavar="FILE",
                    help="the users file (qflow-passwd) clients authenticate against")
+    p.add_argument("--acl-file", default=None, metavar="FILE",
+                   help="access control list in Qpid's ACL syntax (docs/security.md); what no rule allows is "
+                        "denied; reloaded by POST /api/acl/reload (qflow-config reload-acl)")
     p.add_argument("--ssl-cert-file", metavar="FILE",
                    help="the broker's TLS certificate chain (PEM): serve TLS connections on --ssl-port")
     p.add_argument("--ssl-key-file", metavar="FILE", help="its private key (PEM), if not in --ssl-cert-file")
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: BaseException | None = None
     try:
         trio.run(run, args)
-    except* (ListenError, StoreError, SaslDbError, TlsError) as group:  # trio wraps what the nursery raised
+    except* (ListenError, StoreError, SaslDbError, TlsError, AclFileError) as group:  # trio wraps what the nursery raised
         failed = group
         while isinstance(failed, BaseExceptionGroup):
             failed = failed.exceptions[0]

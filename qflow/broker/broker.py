@@ -22,6 +22,7 @@ import msgpack
 
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
+from qflow.broker.acl import Acl, AclDenied
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
@@ -38,6 +39,7 @@ from qflow.protocol.session_output import SessionOutput
 log = logging.getLogger("qflow.broker")
 
 MAX_NAME = 255
+MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions are remembered for
 
 
 def _load_transfer_runs(enabled: bool | None) -> Any:
@@ -76,6 +78,7 @@ class Broker:
         self.on_queue_declared: list[Callable[[Queue], None]] = []  # after a queue is created (the store)
         # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
         self.config_hooks = ConfigHooks()
+        self.acl: Acl | None = None  # None: everything is allowed (no --acl-file)
 
     @property
     def acct(self) -> Accounting:
@@ -117,6 +120,54 @@ class Broker:
         ssn.out.exception(command_id, code, text)
         ssn.commands.complete(command_id)
         self._dirty_sessions[ssn] = None
+
+    # -- access control (qflow.broker.acl) ---------------------------------------
+    def set_acl(self, acl: Acl | None) -> None:
+        """Put ``acl``'s rules in force (None: allow everything). Sessions
+        forget what the old rules let them publish."""
+        self.acl = acl
+        for ssn in self.sessions.values():
+            ssn.published.clear()
+        if acl is None:
+            self.__dict__.pop("transfer", None)  # the unchecked method again: no cost without an ACL
+        else:
+            self.transfer = self._checked_transfer  # type: ignore[method-assign]
+
+    def authorize(self, user: str, action: str, obj: str, request: dict[str, Any]) -> None:
+        """Raise AclDenied (530) unless the ACL lets ``user`` do ``action`` on
+        ``obj`` (qflow.broker.acl.Acl.check). Every client command and every
+        management request is checked here."""
+        if self.acl is not None:
+            self.acl.check(user, action, obj, request)
+
+    def _checked_transfer(self, ssn: BrokerSession, command_id: int, exchange: str, routing_key: str,
+                          properties: dict | None, body: bytes, tail: bytes | None = None) -> None:
+        # With an ACL: each (exchange, routing key) is decided once per session (and logged
+        # once, for -log rules), then remembered: a refused producer's flood costs no rule
+        # walk and no log line per message.
+        key = (exchange, routing_key)
+        published = ssn.published
+        denied = published.get(key, True)
+        if denied is True:
+            denied = None
+            try:
+                self.acl.check(ssn.user, "publish", "exchange",  # type: ignore[union-attr]
+                               {"name": exchange or "amq.default", "routingkey": routing_key})
+            except AclDenied as exc:
+                denied = exc.text
+            if len(published) >= MAX_PUBLISHED:
+                published.clear()
+            published[key] = denied
+        if denied is not None:
+            raise AclDenied(denied)  # a new one each time: a raised exception keeps its traceback
+        Broker.transfer(self, ssn, command_id, exchange, routing_key, properties, body, tail)
+
+    def check_owner(self, q: Queue, command: str, ssn: BrokerSession | None) -> None:
+        """An exclusive queue is usable only by the session that declared it,
+        as in AMQP 0-10 and qpidd (so by no other connection): RESOURCE_LOCKED
+        otherwise. ``ssn`` None: the management API, never an owner."""
+        if q.exclusive and q.owner is not ssn:
+            raise CommandError(P.RESOURCE_LOCKED, f"{command}: queue {q.name!r} is exclusive to another session")
 
     # -- the per-message path -------------------------------------------------
     def route(self, exchange: str, routing_key: str, properties: dict | None = None) -> Any:
@@ -224,6 +275,8 @@ class Broker:
             queues = self.route(exchange, routing_key, properties)
         except (ValueError, TypeError, CommandError):  # bad UTF-8, unhashable keys, bad properties, no exchange
             return 0
+        if self.acl is not None and ssn.published.get((exchange, routing_key), True) is not None:
+            return 0  # not (yet) allowed: the frame goes through transfer(), which asks the ACL (and remembers)
         if not queues:
             return 0
         max_bytes = 1 << 64
@@ -422,8 +475,7 @@ class Broker:
         self._check_name("queue", name)
         q = self.queues.get(name)
         if q is not None:
-            if q.exclusive and q.owner is not owner:
-                raise CommandError(P.RESOURCE_LOCKED, f"queue.declare: queue {name!r} is exclusive to another session")
+            self.check_owner(q, "queue.declare", owner)
             return q, False
         if passive:
             raise CommandError(P.NOT_FOUND, f"queue.declare: queue {name!r} not found (passive)")
@@ -442,7 +494,7 @@ class Broker:
             callback(q)
         return q, True
 
-    def modify_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
+    def modify_queue(self, q: Queue, arguments: dict[str, Any], by: BrokerSession | None = None) -> None:
         """Change a live queue's limits and thresholds; re-evaluates its flow state.
 
         The queue's arguments with the change laid over them are resolved
@@ -450,6 +502,7 @@ class Broker:
         queue never has thresholds a declare could not give it: a key the
         change leaves out keeps its value, and a threshold no key names is
         pre-filled from the broker defaults again."""
+        self.check_owner(q, "queue.modify", by)
         merged = {**q.arguments, **arguments}
         try:
             settings = resolve(merged, self.defaults)
@@ -469,8 +522,11 @@ class Broker:
         if warning:
             log.warning('queue "%s": %s', printable(name), warning)
 
-    def delete_queue(self, name: str, if_empty: bool = False, if_unused: bool = False) -> int:
+    def delete_queue(self, name: str, if_empty: bool = False, if_unused: bool = False,
+                     by: BrokerSession | None = None) -> int:
+        """Delete queue ``name`` at the request of session ``by`` (None: the management API)."""
         q = self.queue("queue.delete", name)
+        self.check_owner(q, "queue.delete", by)
         if if_empty and q.count:
             raise CommandError(P.PRECONDITION_FAILED, f"queue.delete: queue {name!r} is not empty ({q.count} messages)")
         if if_unused and q.consumers:
@@ -505,12 +561,13 @@ class Broker:
         for callback in self.on_queue_deleted:
             callback(q)
 
-    def remove_through(self, name: str, sequence: int) -> int:
+    def remove_through(self, name: str, sequence: int, by: BrokerSession | None = None) -> int:
         """Dequeue every available message with a sequence number up to and
         including ``sequence`` (a browsing reader's commit). Dequeuing releases
         held producers exactly as consuming does. Acquired messages stay with
         their consumers."""
         q = self.queue("queue.remove-through", name)
+        self.check_owner(q, "queue.remove-through", by)
         entries = q.entries
         n = 0
         while entries and seq_of(entries[0]) <= sequence:
@@ -518,8 +575,9 @@ class Broker:
             n += 1
         return n
 
-    def purge_queue(self, name: str) -> int:
+    def purge_queue(self, name: str, by: BrokerSession | None = None) -> int:
         q = self.queue("queue.purge", name)
+        self.check_owner(q, "queue.purge", by)
         self._apply()
         n = len(q.entries)
         q.dequeue_many(list(q.entries))
@@ -572,7 +630,7 @@ class Broker:
             q.binding_count -= 1
         del self.exchanges[name]
 
-    def bind(self, exchange: str, queue: str, key: str, unbind: bool = False) -> bool:
+    def bind(self, exchange: str, queue: str, key: str, unbind: bool = False, by: BrokerSession | None = None) -> bool:
         command = "exchange.unbind" if unbind else "exchange.bind"
         ex = self.exchanges.get(exchange)
         if ex is None:
@@ -580,6 +638,7 @@ class Broker:
         if exchange == "":
             raise CommandError(P.NOT_ALLOWED, f"{command}: the default exchange's bindings are fixed")
         q = self.queue(command, queue)
+        self.check_owner(q, command, by)
         exists = ex.has_binding(q, key)
         if unbind:
             if exists:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from qflow import protocol as P
+from qflow.broker.acl import queue_request
 from qflow.broker.queue import Consumer, Queue
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry
@@ -29,29 +30,40 @@ def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, dur
                    auto_delete: bool, arguments: dict, passive: bool) -> dict:
     if queue not in broker.queues:  # a name the broker holds already (recovered from older data) stays usable
         check_name("queue.declare", "queue", queue)
+    if passive:
+        broker.authorize(ssn.user, "access", "queue", {"name": queue})
+    else:
+        broker.authorize(ssn.user, "create", "queue", queue_request(queue, arguments, durable=durable,
+                                                                    autodelete=auto_delete, exclusive=exclusive))
     q, created = broker.declare_queue(queue, durable, exclusive, auto_delete, arguments, passive, owner=ssn)
     return {"queue": q.name, "created": created}
 
 
 def _queue_delete(broker: Broker, ssn: BrokerSession, cid: int, queue: str, if_empty: bool,
                   if_unused: bool) -> dict:
-    return {"messages": broker.delete_queue(queue, if_empty, if_unused)}
+    broker.authorize(ssn.user, "delete", "queue", {"name": queue})
+    return {"messages": broker.delete_queue(queue, if_empty, if_unused, by=ssn)}
 
 
 def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: str, sequence: int) -> dict:
-    return {"messages": broker.remove_through(queue, sequence)}
+    # A browsing reader's commit removes what it read: it consumes.
+    broker.authorize(ssn.user, "consume", "queue", {"name": queue})
+    return {"messages": broker.remove_through(queue, sequence, by=ssn)}
 
 
 def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
-    return {"messages": broker.purge_queue(queue)}
+    broker.authorize(ssn.user, "purge", "queue", {"name": queue})
+    return {"messages": broker.purge_queue(queue, by=ssn)}
 
 
 def _queue_query(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
+    broker.authorize(ssn.user, "access", "queue", {"name": queue})
     return broker.queue_stats(broker.queue("queue.query", queue))
 
 
 def _queue_modify(broker: Broker, ssn: BrokerSession, cid: int, queue: str, arguments: dict) -> dict:
-    broker.modify_queue(broker.queue("queue.modify", queue), arguments)
+    broker.authorize(ssn.user, "update", "queue", queue_request(queue, arguments))
+    broker.modify_queue(broker.queue("queue.modify", queue), arguments, by=ssn)
     return broker.queue_stats(broker.queues[queue])
 
 
@@ -59,23 +71,31 @@ def _exchange_declare(broker: Broker, ssn: BrokerSession, cid: int, exchange: st
                       passive: bool) -> dict:
     if exchange not in broker.exchanges:
         check_name("exchange.declare", "exchange", exchange)
+    if passive:
+        broker.authorize(ssn.user, "access", "exchange", {"name": exchange or "amq.default"})
+    else:
+        broker.authorize(ssn.user, "create", "exchange", {"name": exchange, "type": type_, "durable": durable})
     return {"exchange": exchange, "created": broker.declare_exchange(exchange, type_, durable, passive)}
 
 
 def _exchange_delete(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, if_unused: bool) -> None:
+    broker.authorize(ssn.user, "delete", "exchange", {"name": exchange})
     broker.delete_exchange(exchange, if_unused)
 
 
 def _bind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: str, key: str) -> None:
-    broker.bind(exchange, queue, key)
+    broker.authorize(ssn.user, "bind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
+    broker.bind(exchange, queue, key, by=ssn)
 
 
 def _unbind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: str, key: str) -> None:
-    broker.bind(exchange, queue, key, unbind=True)
+    broker.authorize(ssn.user, "unbind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
+    broker.bind(exchange, queue, key, unbind=True, by=ssn)
 
 
 def _subscribe(broker: Broker, ssn: BrokerSession, cid: int, queue: str, destination: str, accept_mode: int,
                acquire_mode: int, start_sequence: int) -> None:
+    broker.authorize(ssn.user, "consume", "queue", {"name": queue})  # browsing too, as in qpidd
     q = broker.queue("message.subscribe", queue)
     if accept_mode not in (P.ACCEPT_EXPLICIT, P.ACCEPT_NONE):
         raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: accept_mode must be 0 or 1, not {accept_mode}")
@@ -86,8 +106,7 @@ def _subscribe(broker: Broker, ssn: BrokerSession, cid: int, queue: str, destina
         raise CommandError(P.INVALID_ARGUMENT, "message.subscribe: start_sequence must be >= 0")
     if destination in ssn.consumers:
         raise CommandError(P.NOT_ALLOWED, f"message.subscribe: destination {destination!r} is already in use")
-    if q.exclusive and q.owner is not ssn:
-        raise CommandError(P.RESOURCE_LOCKED, f"message.subscribe: queue {queue!r} is exclusive to another session")
+    broker.check_owner(q, "message.subscribe", ssn)
     c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
     ssn.consumers[destination] = c
     if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:

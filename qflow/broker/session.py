@@ -31,12 +31,15 @@ class BrokerSession:
 
     __slots__ = ("channel", "name", "slot", "out", "commands",
                  "next_delivery", "unacked", "unacked_queues", "unacked_base", "unacked_count", "consumers",
-                 "capacity", "closed", "held_since", "last_queues", "user")
+                 "capacity", "closed", "held_since", "last_queues", "user", "published")
 
     def __init__(self, channel: int, name: str, slot: int, out: SessionOutput | None = None,
                  user: str = "") -> None:
         self.channel = channel
-        self.user = user  # its connection's authenticated user (for the ACL to come, and the views)
+        self.user = user  # its connection's authenticated user (the ACL's subject, and the views)
+        # The ACL's publish decisions for this session, by (exchange, routing key): None
+        # allowed, else the denial. Decided once each, forgotten on reload (Broker.set_acl).
+        self.published: dict[tuple[str, str], Any] = {}
         self.name = name
         self.slot = slot  # the accounting's session number, never reused
         self.out = out if out is not None else SessionOutput(channel)  # tests and benchmarks read it in memory

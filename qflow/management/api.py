@@ -17,6 +17,16 @@ is addressable, ``/`` as ``%2F``)::
     GET    /api/queues                 GET|PUT|PATCH|DELETE /api/queues/{name}
     POST   /api/queues/{name}/purge    GET /api/exchanges    GET|PUT|DELETE /api/exchanges/{name}
     GET|POST|DELETE /api/bindings      GET /api/connections  GET /api/broker    GET /metrics
+    POST   /api/acl/reload
+
+With an ACL (--acl-file), every request is checked as the client command
+that does the same would be, for the user of its HTTP Basic credentials
+("anonymous" without): GET of a queue or exchange is ``access`` on it (the
+lists show only what the user may access), PUT ``create``, PATCH ``update``,
+DELETE ``delete``, purge ``purge``, POST/DELETE of a binding
+``bind``/``unbind``, GET /api/broker and /metrics ``access broker``, and the
+reload ``update broker``. /api/connections shows other users' connections
+only to a user allowed ``access broker``. A denial is a 403.
 
 Errors are ``{"error": "..."}`` with a 4xx status: 400 bad input, 404 missing,
 405 wrong method, 409 conflict (a broker precondition, a lock, a declare that
@@ -42,6 +52,7 @@ import trio
 from qflow import __version__
 from qflow import protocol as P
 from qflow.broker import Broker
+from qflow.broker.acl import AclDenied, queue_request
 from qflow.broker.queue import Queue
 from qflow.management.metrics import CONTENT_TYPE as METRICS_TYPE
 from qflow.management.metrics import render_metrics
@@ -232,6 +243,7 @@ _ROUTES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("DELETE", ("api", "bindings"), "delete_binding"),
     ("GET", ("api", "connections"), "list_connections"),
     ("GET", ("api", "broker"), "get_broker"),
+    ("POST", ("api", "acl", "reload"), "reload_acl"),
     ("GET", ("metrics",), "metrics"),
     ("GET", ("api",), "index"),
     ("GET", (), "index"),
@@ -303,12 +315,19 @@ class ManagementApi:
     ``options`` are the daemon's settings to report under ``/api/broker``;
     ``store`` is the durable message store (anything with ``stats()``, as
     qflow.store.message_store.MessageStore), None without a data directory;
-    ``memory`` the memory alarm (qflow.broker.memory_alarm.MemoryAlarm), None: none.
+    ``memory`` the memory alarm (qflow.broker.memory_alarm.MemoryAlarm), None: none;
+    ``reload_acl`` reads the ACL file again and puts it in force, returning
+    what to report (it raises ValueError, saying why, for a file it refuses),
+    None: no ACL file.
     """
 
     def __init__(self, broker: Broker, server: Any = None, options: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time, store: Any = None, memory: Any = None) -> None:
+                 clock: Callable[[], float] = time.time, store: Any = None, memory: Any = None,
+                 reload_acl: Callable[[], dict[str, Any]] | None = None) -> None:
         self.broker = broker
+        self.reload = reload_acl
+        # Who asks, for the ACL: set by handle() for each request (synchronous: one request at a time).
+        self.user = "anonymous"
         self.server = server
         self.store = store
         self.memory = memory
@@ -317,8 +336,10 @@ class ManagementApi:
         self.started_at = clock()
 
     # -- entry point ----------------------------------------------------------
-    def handle(self, method: str, target: bytes, body: bytes = b"") -> Response:
-        """Answer one request. Never raises: refusals become 4xx responses."""
+    def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous") -> Response:
+        """Answer one request of ``user`` (checked against the ACL, if any).
+        Never raises: refusals become 4xx responses."""
+        self.user = user
         try:
             segments, query = _split_target(target)
             methods, params = _match(segments)
@@ -333,6 +354,8 @@ class ManagementApi:
             return getattr(self, handler)(*params, query=query, body=body)
         except ApiError as exc:
             return error_response(exc.status, exc.message, exc.headers)
+        except AclDenied as exc:
+            return error_response(403, exc.text)
         except CommandError as exc:
             return error_response(_STATUS_BY_CODE.get(exc.code, 400), exc.text)
         except Exception:
@@ -348,6 +371,27 @@ class ManagementApi:
         if body.strip():
             raise ApiError(400, "this request takes no body")
 
+    # -- access control -------------------------------------------------------
+    def _allow(self, action: str, obj: str, request: dict[str, Any]) -> None:
+        self.broker.authorize(self.user, action, obj, request)
+
+    def _may(self, action: str, obj: str, request: dict[str, Any]) -> bool:
+        acl = self.broker.acl
+        return acl is None or acl.may(self.user, action, obj, request)
+
+    def reload_acl(self, *, query: dict[str, str], body: bytes) -> Response:
+        """Read the ACL file again; a file it refuses (400, naming the line) leaves the old rules in force."""
+        self._no_query(query)
+        self._no_body(body)
+        self._allow("update", "broker", {})
+        if self.reload is None:
+            raise ApiError(409, "this broker has no ACL file to reload (start qflowd with --acl-file FILE)")
+        try:
+            report = self.reload()
+        except ValueError as exc:
+            raise ApiError(400, f"ACL not reloaded, the old rules stay in force: {exc}") from None
+        return json_response(200, report)
+
     # -- queues ---------------------------------------------------------------
     def _queue(self, name: str) -> Queue:
         q = self.broker.queues.get(name)
@@ -357,10 +401,14 @@ class ManagementApi:
 
     def list_queues(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        return json_response(200, queue_views(self.broker))
+        views = queue_views(self.broker)
+        if self.broker.acl is not None:
+            views = [v for v in views if self._may("access", "queue", {"name": v["name"]})]
+        return json_response(200, views)
 
     def get_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
+        self._allow("access", "queue", {"name": name})
         return json_response(200, queue_view(self.broker, self._queue(name)))
 
     def put_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
@@ -370,6 +418,8 @@ class ManagementApi:
         durable = _get(fields, "durable", bool, False)
         auto_delete = _get(fields, "autoDelete", bool, False)
         arguments = _get(fields, "arguments", dict, {})
+        self._allow("create", "queue", queue_request(name, arguments, durable=durable, autodelete=auto_delete,
+                                                     exclusive=False))
         q = self.broker.queues.get(name)
         if q is None:
             _check_new_name("queue", name)
@@ -390,6 +440,7 @@ class ManagementApi:
         self._no_query(query)
         fields = _fields(parse_json_object(body), ("arguments",))
         arguments = _get(fields, "arguments", dict, required=True)
+        self._allow("update", "queue", queue_request(name, arguments))
         q = self._queue(name)
         self.broker.modify_queue(q, arguments)
         self.broker.flush()  # a resume releases held transfers: their completions go out now
@@ -398,6 +449,7 @@ class ManagementApi:
     def delete_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query, ("if_empty", "if_unused"))
         self._no_body(body)
+        self._allow("delete", "queue", {"name": name})
         self._queue(name)
         messages = self.broker.delete_queue(name, _flag(query, "if_empty"), _flag(query, "if_unused"))
         self.broker.flush()
@@ -406,6 +458,7 @@ class ManagementApi:
     def purge_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
         self._no_body(body)
+        self._allow("purge", "queue", {"name": name})
         self._queue(name)
         messages = self.broker.purge_queue(name)
         self.broker.flush()
@@ -414,10 +467,14 @@ class ManagementApi:
     # -- exchanges and bindings -----------------------------------------------
     def list_exchanges(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        return json_response(200, exchange_views(self.broker))
+        views = exchange_views(self.broker)
+        if self.broker.acl is not None:
+            views = [v for v in views if self._may("access", "exchange", {"name": v["name"] or "amq.default"})]
+        return json_response(200, views)
 
     def get_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
+        self._allow("access", "exchange", {"name": name or "amq.default"})
         ex = self.broker.exchanges.get(name)
         if ex is None:
             raise ApiError(404, f"exchange {name!r} not found")
@@ -430,18 +487,23 @@ class ManagementApi:
         durable = _get(fields, "durable", bool, False)
         if name not in self.broker.exchanges:
             _check_new_name("exchange", name)
+        self._allow("create", "exchange", {"name": name, "type": type_, "durable": durable})
         created = self.broker.declare_exchange(name, type_, durable)
         return json_response(201 if created else 200, exchange_view(self.broker.exchanges[name]))
 
     def delete_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query, ("if_unused",))
         self._no_body(body)
+        self._allow("delete", "exchange", {"name": name})
         self.broker.delete_exchange(name, _flag(query, "if_unused"))
         return json_response(200, {"exchange": name, "deleted": True})
 
     def list_bindings(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        return json_response(200, binding_views(self.broker))
+        views = binding_views(self.broker)
+        if self.broker.acl is not None:
+            views = [v for v in views if self._may("access", "exchange", {"name": v["exchange"]})]
+        return json_response(200, views)
 
     def _binding(self, query: dict[str, str], body: bytes) -> tuple[str, str, str]:
         # DELETE bodies are unusual enough that some clients cannot send one:
@@ -457,11 +519,13 @@ class ManagementApi:
 
     def add_binding(self, *, query: dict[str, str], body: bytes) -> Response:
         exchange, queue, key = self._binding(query, body)
+        self._allow("bind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
         changed = self.broker.bind(exchange, queue, key)
         return json_response(201 if changed else 200, {"exchange": exchange, "queue": queue, "key": key})
 
     def delete_binding(self, *, query: dict[str, str], body: bytes) -> Response:
         exchange, queue, key = self._binding(query, body)
+        self._allow("unbind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
         if not self.broker.bind(exchange, queue, key, unbind=True):
             raise ApiError(404, f"exchange.unbind: queue {queue!r} is not bound to exchange {exchange!r} "
                                 f"with key {key!r}")
@@ -470,7 +534,10 @@ class ManagementApi:
     # -- connections, broker, metrics -------------------------------------------
     def list_connections(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        return json_response(200, connection_views(self.broker, self.server, self._clock(), _trio_now()))
+        views = connection_views(self.broker, self.server, self._clock(), _trio_now())
+        if not self._may("access", "broker", {}):  # isolation: one's own connections only
+            views = [v for v in views if v["user"] == self.user]
+        return json_response(200, views)
 
     def broker_view(self, queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``views.broker_view`` with this API's server, options and start time."""
@@ -479,6 +546,7 @@ class ManagementApi:
 
     def get_broker(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
+        self._allow("access", "broker", {})
         return json_response(200, self.broker_view())
 
     def index(self, *, query: dict[str, str], body: bytes) -> Response:
@@ -492,6 +560,7 @@ class ManagementApi:
 
     def metrics(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
+        self._allow("access", "broker", {})
         queues = queue_views(self.broker)  # built once: the totals and the per-queue samples share them
         return Response(200, render_metrics(self.broker_view(queues), queues).encode(), METRICS_TYPE)
 

@@ -158,7 +158,9 @@ class ManagementServer:
             if request is None:
                 return
             method, target, body, headers = request
-            response = unauthorized(headers, self.authenticate, peer) or self.api.handle(method, target, body)
+            credentials = basic_credentials(headers)
+            response = unauthorized(headers, self.authenticate, peer) or self.api.handle(
+                method, target, body, credentials[0] if credentials else "anonymous")
             with trio.move_on_after(self.timeout) as scope:
                 await self._respond(conn, stream, response, head=method == "HEAD")
             if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:

@@ -26,6 +26,7 @@ import trio
 
 from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
+from qflow.broker.acl import Acl, AclError, parse
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.memory_alarm import MemoryAlarm
 from qflow.management import ManagementApi, ManagementServer, RequestGuard
@@ -58,6 +59,36 @@ def server_ssl_context(cert_file: str, key_file: str | None) -> ssl.SSLContext:
         what = f"--ssl-cert-file {cert_file}" + (f" / --ssl-key-file {key_file}" if key_file else "")
         raise TlsError(f"cannot load {what}: {getattr(exc, 'strerror', None) or exc}") from None
     return context
+
+
+class AclFileError(ValueError):
+    """The ACL file cannot be read or is refused (naming its line): exit 1 at
+    start, a 400 on reload with the old rules kept."""
+
+
+def load_acl(path: str) -> Acl:
+    """The rules of the ACL file ``path``; raises AclFileError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AclFileError(f"cannot read --acl-file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return parse(text)
+    except AclError as exc:
+        raise AclFileError(f"--acl-file {path}: {exc}") from None
+
+
+def acl_reloader(broker: Broker, path: str) -> Callable[[], dict[str, object]]:
+    """The management API's reload: the file read and parsed whole before its rules replace the old ones."""
+
+    def reload() -> dict[str, object]:
+        acl = load_acl(path)
+        broker.set_acl(acl)
+        log.info("ACL reloaded from %s: %d rules, %d groups", path, len(acl.rules), len(acl.groups))
+        return {"aclFile": path, "rules": len(acl.rules), "groups": len(acl.groups), "reloaded": True}
+
+    return reload
 
 
 class ListenError(Exception):
@@ -120,10 +151,16 @@ async def run(args: argparse.Namespace) -> None:
     once both ports listen. The data directory (``args.data_dir``; None: in
     memory only) is locked and its configuration recovered before anything
     listens. Raises ListenError if a port cannot be opened, StoreError if the
-    data directory cannot be used."""
+    data directory cannot be used, AclFileError if the ACL file is refused."""
     accounting = load_accounting()
     log.info("accounting: %s", accounting.name)
     broker = Broker(args.defaults, accounting)
+    acl_file = args.acl_file
+    if acl_file is not None:
+        acl = load_acl(acl_file)
+        broker.set_acl(acl)
+        log.info("ACL: %d rules, %d groups from %s (what no rule allows is denied)", len(acl.rules),
+                 len(acl.groups), acl_file)
     users = open_users(args)
     tls = server_ssl_context(args.ssl_cert_file, args.ssl_key_file) if args.ssl_cert_file else None
     server = Server(broker, args.max_frame_size, users)
@@ -203,8 +240,9 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "storeSegmentSize": journal.segment_size if journal is not None else None,
                        "auth": server.users is not None,
                        "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port,
-                       "mgmtAllowedHosts": list(args.mgmt_allowed_hosts)}
-            api = ManagementApi(broker, server, options, store=store, memory=alarm)
+                       "mgmtAllowedHosts": list(args.mgmt_allowed_hosts), "aclFile": args.acl_file}
+            api = ManagementApi(broker, server, options, store=store, memory=alarm,
+                                reload_acl=acl_reloader(broker, args.acl_file) if args.acl_file else None)
             mgmt = ManagementServer(api, timeout=args.mgmt_timeout,
                                     authenticate=management_authenticator(server.users, server.secret),
                                     guard=RequestGuard(args.mgmt_allowed_hosts))
