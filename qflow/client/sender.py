@@ -4,9 +4,16 @@ broker's flow control bound a queue's depth.
 One transfer path: every transfer, from ``send`` or ``send_many``, plain or
 with properties, is numbered by the session's OutgoingCommands and encoded as
 ``prefix + body``, where the prefix is qflow.protocol.encodings's (the same
-bytes msgpack's Packer writes). A plain transfer (no properties, the sender's
-routing key) takes its prefix from a cache keyed by the body's size; that is
-the per-message fast path, and it differs from the general one only there.
+bytes msgpack's Packer writes). A plain transfer (the sender's routing key and
+its default properties: none, or ``{"durable": true}`` for a durable sender)
+takes its prefix from a cache keyed by the body's size; that is the
+per-message fast path, and it differs from the general one only there.
+
+Completions may arrive out of order: on a durable queue a persistent transfer
+completes only once it is on disk, while a transient one (or a persistent one
+whose message was accepted before its commit) completes at once. So "N
+transfers completed" does not mean "the first N are safe"; to know which are,
+read completion per command id.
 """
 
 from __future__ import annotations
@@ -56,8 +63,8 @@ def _properties(message_id: str | None, correlation_id: str | None, content_type
     return props or None
 
 
-def _address_part(attr: str, doc: str) -> property:
-    """A sender's exchange or routing key: setting it re-encodes the cached transfer head."""
+def _head_part(attr: str, doc: str) -> property:
+    """A sender's exchange, routing key or durability: setting it re-encodes the cached transfer head."""
 
     def get(self: Sender) -> str:
         return getattr(self, attr)
@@ -79,7 +86,7 @@ class Sender:
     def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
                  flow_notify: float, flow_timeout: float | None, durable: bool = False) -> None:
         self.session = session
-        self.durable = durable
+        self._durable = bool(durable)
         self._exchange = exchange
         self._routing_key = routing_key
         self._set_head()
@@ -101,7 +108,8 @@ class Sender:
     def _set_head(self) -> None:
         # A plain transfer is _head, the body's bin header and the body. The
         # prefix of the last body size is kept: bodies of one size are the rule.
-        self._head = transfer_prefix(self.session.channel, self._exchange, self._routing_key, None)
+        self._props = _properties(None, None, None, self._durable, None)
+        self._head = transfer_prefix(self.session.channel, self._exchange, self._routing_key, self._props)
         self._prefix_size = 0
         self._prefix = self._head + bin_header(0)
 
@@ -115,13 +123,14 @@ class Sender:
     def _head_for(self, routing_key: str | None, props: dict[str, Any] | None) -> bytes | None:
         """The bytes before the bin header of a transfer with these fields;
         None for a plain one (its prefix is cached)."""
-        if props is None and (routing_key is None or routing_key == self._routing_key):
+        if props == self._props and (routing_key is None or routing_key == self._routing_key):
             return None
         key = self._routing_key if routing_key is None else routing_key
         return transfer_prefix(self.session.channel, self._exchange, key, props)
 
-    exchange = _address_part("_exchange", "The exchange this sender's messages go to.")
-    routing_key = _address_part("_routing_key", "The routing key its messages carry unless a send gives one.")
+    exchange = _head_part("_exchange", "The exchange this sender's messages go to.")
+    routing_key = _head_part("_routing_key", "The routing key its messages carry unless a send gives one.")
+    durable = _head_part("_durable", "Whether its messages are persistent unless a send says otherwise.")
 
     def _complete(self, n: int) -> None:
         self.incomplete -= n
@@ -142,13 +151,13 @@ class Sender:
         ``durable`` (default: the sender's) marks it persistent: on a durable
         queue its transfer completes only once the broker has it on disk.
         Raises the broker's error for an earlier transfer that it refused."""
-        if durable is None:
-            durable = self.durable
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
-                or content_type is not None or durable or headers or type(body) is not bytes
+                or content_type is not None or durable is not None or headers or type(body) is not bytes
                 or len(body) != self._prefix_size):
+            if durable is None:
+                durable = self._durable
             body, prefix = await self._prepare(body, routing_key, _properties(message_id, correlation_id,
                                                                               content_type, durable, headers))
             incomplete = self.incomplete
@@ -206,7 +215,7 @@ class Sender:
         A refusal of an earlier transfer is raised, and the bodies not yet sent
         then are not sent."""
         if durable is None:
-            durable = self.durable
+            durable = self._durable
         if self._interval:  # paced: one at a time is the point
             n = 0
             for body in bodies:
