@@ -42,8 +42,6 @@ log = logging.getLogger("qflow.store")
 
 
 _ONLY_DURABLE = msgpack.packb({"durable": True})
-_ONLY_DURABLE_LEN = len(_ONLY_DURABLE)
-_BIN_HEADS = (2, 3, 5)  # a bin8, bin16 or bin32 header
 
 
 def _str_end(entry: Entry, pos: int) -> int:
@@ -65,15 +63,18 @@ def is_persistent(entry: Entry) -> bool:
     The properties map is found without decoding anything else (it lies between
     the routing key and the body's bin header), and is decoded only if it
     mentions ``durable``: a transient message costs two length reads, a scan
-    for its body and a substring search."""
+    for its body and a substring search; what a durable sender sends, two
+    length reads and one comparison."""
     props = _str_end(entry, _str_end(entry, ENTRY_HEAD_SIZE))
     if entry[props] == 0xC0:  # nil: no properties
         return False
+    if entry.startswith(_ONLY_DURABLE, props):
+        # A map of one pair, "durable": true: what the client sends for durable=True and nothing else.
+        # (What follows it can only be the body's bin header.)
+        return True
     # The head's size counts the message's header, not its body's length
     # (qflow.protocol.entries.message_size): the scan says where the body starts.
     region = entry[props:scan_entries(entry, 1)[1]]  # the properties, then the body's bin header
-    if region[:_ONLY_DURABLE_LEN] == _ONLY_DURABLE and len(region) - _ONLY_DURABLE_LEN in _BIN_HEADS:
-        return True  # what the client sends for durable=True and nothing else
     if b"durable" not in region:
         return False
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
@@ -150,17 +151,22 @@ class MessageStore:
     def _deleted(self, q: Queue) -> None:
         if q.durable:
             self.journal.delete_queue(q.name)
+            # A queue of that name declared before the next prepare() numbers its messages from 1
+            # again: the deleted one's early dequeues must not keep them out of the journal.
+            self._early = {k for k in self._early if k[0] != q.name}
             self._wake()
 
     def _dequeued(self, q: Queue, entries: Sequence[Entry]) -> None:
-        journal, name = self.journal, q.name
+        journal, name, early = self.journal, q.name, self._early
         for entry in entries:
             seq = seq_of(entry)
-            if not journal.dequeue(name, seq) and is_persistent(entry):
-                # Dequeued before its enqueue was staged (its hold not taken yet, or not even given:
-                # a ring overwrite in the transfer's own input batch): the enqueue must not be
-                # staged at all, or a crash would bring back a message that was removed.
-                self._early.add((name, seq))
+            if not journal.dequeue(name, seq):
+                # Transient, or dequeued before its enqueue was staged (its hold not taken yet, or not
+                # even given: a ring overwrite in the transfer's own input batch): then the enqueue
+                # must not be staged at all, or a crash would bring back a message that was removed.
+                # Which of the two is not asked: only a persistent message's enqueue looks here, and
+                # the set is emptied at every prepare().
+                early.add((name, seq))
         self._wake()
 
     def _stage_arrivals(self) -> None:
