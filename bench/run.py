@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,10 +76,11 @@ def _credentials() -> dict:
     return {} if user is None else {"username": user, "password": os.environ["QFLOW_BENCH_PASSWORD"]}
 
 
-async def _produce(port: int, queue: str, count: int, size: int, capacity: int, style: str = "each") -> None:
+async def _produce(port: int, queue: str, count: int, size: int, capacity: int, style: str = "each",
+                   durable: bool = False) -> None:
     async with await qflow.connect("127.0.0.1", port, **_credentials()) as conn:
         ssn = await conn.session()
-        sender = ssn.sender(queue, capacity=capacity)
+        sender = ssn.sender(queue, capacity=capacity, durable=durable)
         body = b"x" * size
         bodies = [body] * BATCH_BODIES
         _ready()
@@ -123,17 +126,18 @@ def client_main(argv: list[str]) -> None:
     role, port, queue, count, size, capacity = argv[0], int(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5])
     rate = float(argv[6]) or None
     style = argv[7]
+    durable = argv[8] == "durable"
     if role == "produce":
-        trio.run(_produce, port, queue, count, size, capacity, style)
+        trio.run(_produce, port, queue, count, size, capacity, style, durable)
     else:
         trio.run(_consume, port, queue, count, capacity, rate, style)
 
 
 def _client(role: str, port: int, queue: str, count: int, size: int, capacity: int = 1000,
-            rate: float = 0, style: str = "each", env: dict | None = None) -> subprocess.Popen:
+            rate: float = 0, style: str = "each", env: dict | None = None, durable: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--client", role, str(port), queue, str(count), str(size),
-                             str(capacity), str(rate), style], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                             str(capacity), str(rate), style, "durable" if durable else "transient"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
 def _expect(proc: subprocess.Popen, word: str) -> str:
@@ -171,19 +175,23 @@ async def _query(port: int, queue: str, credentials: dict | None = None) -> dict
         return await (await conn.session()).query_queue(queue)
 
 
-async def _declare(port: int, queue: str, arguments: dict, credentials: dict | None = None) -> None:
+async def _declare(port: int, queue: str, arguments: dict, credentials: dict | None = None,
+                   durable: bool = False) -> None:
     async with await qflow.connect("127.0.0.1", port, **(credentials or {})) as conn:
         ssn = await conn.session()
-        await ssn.declare_queue(queue, arguments=arguments)
+        await ssn.declare_queue(queue, arguments=arguments, durable=durable)
 
 
 def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
-               consumer_rate: float = 0, style: str = "each", auth: bool = False, acl: bool = False) -> dict:
+               consumer_rate: float = 0, style: str = "each", auth: bool = False, acl: bool = False,
+               durable: bool = False) -> dict:
     """One producer and one consumer through one queue: msgs/s end to end, from
     the producer's first send to the consumer's last fetch (both processes
     started and connected before, as bench/compare measures). ``auth``: the
     broker runs --auth yes and both clients log in with SCRAM-SHA-256; ``acl``:
-    and the broker checks bench/auth.py's BENCH_ACL (--acl-file)."""
+    and the broker checks bench/auth.py's BENCH_ACL (--acl-file). ``durable``:
+    a durable queue and a durable sender, so every message is persistent (each
+    qflowd has a fresh temporary data directory)."""
     from auth import PASSWORD, USER, acl_file, users_file  # noqa: E402 - bench/ is not a package
 
     with tempfile.TemporaryDirectory(prefix="qflow-bench-") as tmp:
@@ -194,17 +202,17 @@ def throughput(count: int, size: int, arguments: dict | None = None, env: dict |
         credentials = {"username": USER, "password": PASSWORD} if auth else {}
         client_env = {"QFLOW_BENCH_USER": USER, "QFLOW_BENCH_PASSWORD": PASSWORD} if auth else None
         try:
-            return _throughput(d, count, size, arguments, consumer_rate, style, credentials, client_env)
+            return _throughput(d, count, size, arguments, consumer_rate, style, credentials, client_env, durable)
         finally:
             d.stop()
 
 
 def _throughput(d: qflowd.Daemon, count: int, size: int, arguments: dict | None, consumer_rate: float, style: str,
-                credentials: dict, client_env: dict | None) -> dict:
+                credentials: dict, client_env: dict | None, durable: bool = False) -> dict:
     proc, port = d.proc, d.port
-    trio.run(_declare, port, "bench", arguments or {}, credentials)
+    trio.run(_declare, port, "bench", arguments or {}, credentials, durable)
     consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style, env=client_env)
-    producer = _client("produce", port, "bench", count, size, style=style, env=client_env)
+    producer = _client("produce", port, "bench", count, size, style=style, env=client_env, durable=durable)
     # From the producer's first send to the consumer's last fetch.
     t_last, t0 = run_clients(consumer, producer)
     elapsed = t_last - t0
@@ -234,6 +242,58 @@ def queued_memory(count: int) -> dict:
                 "broker_rss_bytes": after}
     finally:
         d.stop()
+
+
+RECOVERED_LOG = re.compile(r"recovered (\d+) messages on \d+ queues from .* in ([0-9.]+) ms")
+
+
+def recovery(count: int) -> dict:
+    """The restart of a qflowd whose durable queue holds ``count`` persistent
+    64-byte messages: seconds from launching it until it listens and the
+    queue's msgDepth is ``count``. The queue is filled by a durable sender
+    (send_many), and the broker is SIGKILLed once every transfer completed,
+    so every message is on disk and nothing was shut down cleanly. Also: the
+    broker's own logged recovery time (the journal read and the queue refilled),
+    and the same launch with an empty data directory (Python's start-up and
+    imports, which the restart includes)."""
+    data_dir = tempfile.mkdtemp(prefix="qflow-bench-recovery-")
+    log = os.path.join(tempfile.mkdtemp(prefix="qflow-bench-recovery-log-"), "qflowd.log")
+    try:
+        t0 = time.perf_counter()
+        empty = qflowd.start("--log-level", "warning", "--data-dir", os.path.join(data_dir, "empty"))
+        startup_empty = time.perf_counter() - t0
+        empty.stop()
+        d = qflowd.start("--log-level", "warning", "--data-dir", data_dir)
+        try:
+            trio.run(_declare, d.port, "held", {"qpid.max_size": 0, "qpid.flow_stop_count": 0,
+                                                "qpid.flow_stop_size": 0}, None, True)
+            # The producer returns once every transfer completed (Sender.sync): all of them are on disk.
+            run_clients(_client("produce", d.port, "held", count, 64, style="batch", durable=True))
+        finally:
+            d.kill()
+        t0 = time.perf_counter()
+        d = qflowd.start("--log-level", "info", "--data-dir", data_dir, log=log, timeout=300)
+        try:
+            listening = time.perf_counter() - t0
+            depth = trio.run(_query, d.port, "held")["msgDepth"]
+            total = time.perf_counter() - t0
+            if depth != count:
+                raise SystemExit(f"recovery: {depth} messages back on the queue, {count} were completed")
+            m = RECOVERED_LOG.search(d.log())
+            if m is None or int(m.group(1)) != count:
+                raise SystemExit(f"recovery: qflowd did not log the recovery of {count} messages: {d.log()!r}")
+            return {"recovery_s": round(total, 3), "listening_s": round(listening, 3),
+                    "broker_logged_s": round(float(m.group(2)) / 1000, 3), "startup_empty_s": round(startup_empty, 3),
+                    "messages": count, "journal_bytes": _tree_bytes(data_dir)}
+        finally:
+            d.stop()
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(log), ignore_errors=True)
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 def method_line(count: int, rounds: int) -> str:
@@ -267,6 +327,9 @@ def main() -> None:
         "64b_flow_idle": lambda: throughput(count, 64, idle_flow),
         "64b_python_accounting": lambda: throughput(count, 64, no_flow, env={"QFLOW_ACCOUNTING": "python"}),
         "1k": lambda: throughput(count // 2, 1024, no_flow),
+        # the same on a durable queue from a durable sender: every message is persistent
+        "64b_persistent": lambda: throughput(count, 64, no_flow, durable=True),
+        "1k_persistent": lambda: throughput(count // 2, 1024, no_flow, durable=True),
         "64b_batch": lambda: throughput(count, 64, no_flow, style="batch"),
         "1k_batch": lambda: throughput(count // 2, 1024, no_flow, style="batch"),
         # a consumer held to 20k msgs/s: the queue cycles between its thresholds
@@ -312,6 +375,8 @@ def main() -> None:
     print(f"{'release of held':>22}: {release}")
     memory = queued_memory(20_000 if args.smoke else 1_000_000)
     print(f"{'queued memory':>22}: {memory}")
+    recovered = recovery(20_000 if args.smoke else 1_000_000)
+    print(f"{'recovery':>22}: {recovered}")
     from core import measure as measure_core  # noqa: E402
 
     core = measure_core(count=5_000 if args.smoke else 200_000, rounds=1 if args.smoke else 3)
@@ -325,6 +390,13 @@ def main() -> None:
     out = {
         "msgs_per_s_64b": med["64b"],
         "msgs_per_s_1k": med["1k"],
+        "msgs_per_s_64b_persistent": med["64b_persistent"],
+        "msgs_per_s_1k_persistent": med["1k_persistent"],
+        "persistent_over_transient_64b": round(paired("64b_persistent", "64b"), 3),
+        "persistent_over_transient_1k": round(paired("1k_persistent", "1k"), 3),
+        "recovery_1m_s": recovered["recovery_s"],
+        "recovery_1m_broker_logged_s": recovered["broker_logged_s"],
+        "recovery_messages": recovered["messages"],
         "msgs_per_s_64b_batch": med["64b_batch"],
         "msgs_per_s_1k_batch": med["1k_batch"],
         "flow_idle_overhead_pct": round(100 * (1 - paired("64b_flow_idle", "64b")), 1),
