@@ -42,7 +42,7 @@ def main() -> None:
                              "is used for the others")
     parser.add_argument("--close", type=float, default=0.25,
                         help="clients within this fraction of the fastest on 1p1c also run the other workloads")
-    parser.add_argument("--workloads", default="1p1c,4p4c,fanout4,flow,backpressure")
+    parser.add_argument("--workloads", default="1p1c,persistent,4p4c,fanout4,flow,backpressure")
     parser.add_argument("--slow-every", type=int, default=100, help="flow workload: after this many messages the "
                         "consumer rests ...")
     parser.add_argument("--slow-factor", type=float, default=3.0, help="... this many times as long as they took "

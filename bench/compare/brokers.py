@@ -86,10 +86,10 @@ class QflowSide:
 
         return trio.run(go)
 
-    def setup(self, queues: list[str], arguments: dict, fanout: str | None = None) -> None:
+    def setup(self, queues: list[str], arguments: dict, fanout: str | None = None, durable: bool = False) -> None:
         async def fn(ssn):
             for q in queues:
-                await ssn.declare_queue(q, arguments=arguments)
+                await ssn.declare_queue(q, arguments=arguments, durable=durable)
             if fanout:
                 await ssn.declare_exchange(fanout, "fanout")
                 for q in queues:
@@ -214,9 +214,9 @@ class RabbitSide:
                 pass
         return self.proc.pid
 
-    def setup(self, queues: list[str], arguments: dict, fanout: str | None = None) -> None:
+    def setup(self, queues: list[str], arguments: dict, fanout: str | None = None, durable: bool = False) -> None:
         for q in queues:
-            self.ch.queue_declare(q, durable=False, auto_delete=False, arguments=arguments)
+            self.ch.queue_declare(q, durable=durable, auto_delete=False, arguments=arguments)
         if fanout:
             self.ch.exchange_declare(fanout, "fanout", durable=False, auto_delete=False)
             for q in queues:

@@ -269,7 +269,7 @@ def qflow_client(spec: dict) -> None:
         async with await qflow.connect("127.0.0.1", spec["port"]) as conn:
             ssn = await conn.session()
             address = f"{spec['exchange']}/{spec['routing_key']}" if spec["exchange"] else spec["routing_key"]
-            sender = ssn.sender(address, capacity=spec["window"])
+            sender = ssn.sender(address, capacity=spec["window"], durable=bool(spec.get("persistent")))
             body = _body_maker(spec)
             count = spec["count"]
             send = sender.send
@@ -384,7 +384,9 @@ def pyamqp_client(spec: dict) -> None:
         ch.events["basic_nack"].add(pub.nack)
         exchange, rk = spec["exchange"], spec["routing_key"]
         body = _body_maker(spec)
-        fixed = None if spec.get("track") else amqp.Message(body(0))
+        # delivery_mode 2: persistent (on a durable queue, confirmed once RabbitMQ has it on disk)
+        props = {"delivery_mode": 2} if spec.get("persistent") else {}
+        fixed = None if spec.get("track") else amqp.Message(body(0), **props)
         publish = ch.basic_publish
         drain = conn.drain_events
         _ready()
@@ -394,8 +396,8 @@ def pyamqp_client(spec: dict) -> None:
         while pub.running(now := time.monotonic()):
             idx = pub.next_to_send(now)
             if idx is not None:
-                publish(fixed if fixed is not None and idx >= 0 else amqp.Message(body(idx)), exchange=exchange,
-                        routing_key=rk)
+                publish(fixed if fixed is not None and idx >= 0 else amqp.Message(body(idx), **props),
+                        exchange=exchange, routing_key=rk)
                 pub.sent(idx)
                 continue
             if pub.pending:
@@ -472,6 +474,7 @@ def pika_client(spec: dict) -> None:
         pub = Pub(spec)
         exchange, rk = spec["exchange"], spec["routing_key"]
         body = _body_maker(spec)
+        props = pika.BasicProperties(delivery_mode=2) if spec.get("persistent") else None
         st: dict = {"timer": None, "t0": 0.0, "c0": 0.0, "t1": 0.0, "cpu": 0.0, "timed_out": False, "error": None}
 
         def finish(conn, timed_out: bool) -> None:
@@ -488,7 +491,7 @@ def pika_client(spec: dict) -> None:
                 idx = pub.next_to_send(now)
                 if idx is None:
                     break
-                publish(exchange, rk, body(idx))
+                publish(exchange, rk, body(idx), props)
                 pub.sent(idx)
             if pub.done():
                 finish(conn, False)
@@ -586,7 +589,10 @@ def aiopika_client(spec: dict) -> None:
             rk = spec["routing_key"]
             pub = Pub(spec)
             body = _body_maker(spec)
-            Message = aio_pika.Message
+            mode = aio_pika.DeliveryMode.PERSISTENT if spec.get("persistent") else aio_pika.DeliveryMode.NOT_PERSISTENT
+
+            def Message(b: bytes) -> aio_pika.Message:  # noqa: N802 - aio_pika's class, with the delivery mode
+                return aio_pika.Message(b, delivery_mode=mode)
 
             space = asyncio.Event()
             tasks: set = set()

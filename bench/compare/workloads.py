@@ -178,7 +178,7 @@ class Bench:
                 self.log(f"back-pressure round {rnd + 1} {lib:>8}: {json.dumps(r)}")
 
     def _run_on(self, side, specs: list[dict], queues: list[str], arguments: dict,
-                fanout: str | None = None) -> tuple[list[dict], float, float, dict]:
+                fanout: str | None = None, durable: bool = False) -> tuple[list[dict], float, float, dict]:
         """Declare the queues, run the clients, delete the queues: (the clients'
         results, the broker's CPU seconds from go to the last result, the other
         broker's meanwhile, the broker's stats)."""
@@ -186,7 +186,7 @@ class Bench:
         # neighbour): its CPU is part of the load the run saw.
         pids = {name: s.pid for name, s in self.sides.items()}
         cpu0: dict[str, float] = {}
-        side.setup(queues, arguments, fanout)
+        side.setup(queues, arguments, fanout, durable)
         try:
             results = ClientRun(specs, self.args.client_timeout).run(
                 on_go=lambda: cpu0.update({n: proc_tree_cpu(p) for n, p in pids.items()}))
@@ -206,13 +206,14 @@ class Bench:
         prefix = f"cmp.{self.seq}.{workload}"
         fanout = None
         arguments = QFLOW_PLAIN if lib == "qflow" else {}
+        persistent = workload == "persistent"
         common = {"lib": lib, "port": side.port, "size": size, "timeout": self.args.client_timeout,
                   # no limit, no pacing, no ids: the qflow clients run make bench's loops
-                  "plain": workload != "flow"}
+                  "plain": workload != "flow", "persistent": persistent}
         prod = {**common, "role": "produce", "window": 1000, "exchange": "", "count": self.args.max_count,
                 "duration": self.args.duration, "end": True}
         cons = {**common, "role": "consume", "prefetch": 1000, "ack_every": 500, "ends": 1}
-        if workload == "1p1c":
+        if workload in ("1p1c", "persistent"):  # persistent: a durable queue, every message persistent
             queues = [f"{prefix}.0"]
             specs = [{**cons, "queue": queues[0]}, {**prod, "routing_key": queues[0]}]
         elif workload == "4p4c":
@@ -232,7 +233,7 @@ class Bench:
             specs += [{**prod, "routing_key": queues[0], "tag": t} for t in "ab"]
         else:
             raise ValueError(workload)
-        results, broker_cpu, idle_cpu, stats = self._run_on(side, specs, queues, arguments, fanout)
+        results, broker_cpu, idle_cpu, stats = self._run_on(side, specs, queues, arguments, fanout, persistent)
         producers = [r for r in results if r["role"] == "produce"]
         consumers = [r for r in results if r["role"] == "consume"]
         if any(r["timed_out"] for r in results):
