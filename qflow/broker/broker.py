@@ -330,6 +330,11 @@ class Broker:
                 log_seqs.append(None)
                 log_seqs += [s + i for s in seqs]
                 log_seqs.append(None)
+        elif len(queues) == 1 and len(holders) == 1:  # one durable queue: the store's usual input
+            q, seq = queues[0], seqs[0]
+            for entry in stored[0][3]:
+                log_seqs += (None, seq, ((q, entry),), None)
+                seq += 1
         else:
             covered = list(holders.values())
             for i in range(n):

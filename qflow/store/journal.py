@@ -59,7 +59,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +85,7 @@ _BODY = struct.Struct("<QI")
 _ENQ = struct.Struct("<IQI")
 _DEQ = struct.Struct("<IQ")
 _entry_head = ENTRY_HEAD.pack
+_ABSENT = object()
 
 
 class JournalError(Exception):
@@ -207,6 +208,57 @@ class Journal:
                 old.remove(queue, seq)
             live[queue][seq] = None
             members.setdefault(queue, {})[seq] = entry
+
+    def enqueue_run(self, queue: str, entries: Sequence[Entry]) -> None:
+        """Stage ``entries``, distinct messages, on ``queue``: what
+        :meth:`enqueue_fanout` does for each, in one call (a run of transfers
+        to one queue is the usual input)."""
+        if not self._recovered:
+            raise JournalError("stage after recover(): the journal is not open yet")
+        staged = self._staged
+        bodies = staged.bodies
+        body = len(bodies)
+        items = self._section(OP_ENQUEUE)
+        name = self._name(queue)
+        live = self._live.setdefault(queue, {})
+        members = self._staged_members.setdefault(queue, {})
+        tail_bytes = 0
+        for entry in entries:
+            seq, size = seq_and_size(entry)
+            bodies.append((size, entry))
+            items.append((name, seq, body))
+            body += 1
+            tail_bytes += len(entry)
+            old = live.get(seq)
+            if old is not None:  # a second copy (carry-forward): the newest is the one that counts
+                old.remove(queue, seq)
+            live[seq] = None
+            members[seq] = entry
+        staged.tail_bytes += tail_bytes - ENTRY_HEAD_SIZE * len(entries)
+
+    def dequeue_many(self, queue: str, seqs: Iterable[int]) -> list[int]:
+        """:meth:`dequeue` for each of ``seqs`` of ``queue``, in one call;
+        returns those the journal does not hold (nothing staged for them)."""
+        segs = self._live.get(queue)
+        if segs is None:
+            return list(seqs)
+        missing: list[int] = []
+        removed: list[tuple[int, ...]] = []
+        staged_members = self._staged_members.get(queue)
+        for seq in seqs:
+            seg = segs.pop(seq, _ABSENT)
+            if seg is _ABSENT:
+                missing.append(seq)
+                continue
+            if seg is None:
+                del staged_members[seq]  # type: ignore[index]  # staged, so its queue has staged members
+            else:
+                seg.remove(queue, seq)
+            removed.append(seq)
+        if removed:
+            name = self._name(queue)
+            self._section(OP_DEQUEUE).extend([(name, seq) for seq in removed])
+        return missing
 
     def dequeue(self, queue: str, seq: int) -> bool:
         """Stage the removal of message ``seq`` of ``queue``; False (and nothing

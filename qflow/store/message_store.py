@@ -111,6 +111,7 @@ class MessageStore:
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
         self._early: set[tuple[str, int]] = set()  # persistent messages dequeued before their hold arrived
+        self._persistent_head = b"\xff"  # see _is_persistent (0xff starts no entry's exchange)
         self._orphans: dict[str, list[Entry]] = {}  # recovered for a queue not declared (durable) at restore()
         broker.on_queue_declared.append(self.attach)
         broker.on_queue_deleted.append(self._deleted)
@@ -157,16 +158,15 @@ class MessageStore:
             self._wake()
 
     def _dequeued(self, q: Queue, entries: Sequence[Entry]) -> None:
-        journal, name, early = self.journal, q.name, self._early
-        for entry in entries:
-            seq = seq_of(entry)
-            if not journal.dequeue(name, seq):
-                # Transient, or dequeued before its enqueue was staged (its hold not taken yet, or not
-                # even given: a ring overwrite in the transfer's own input batch): then the enqueue
-                # must not be staged at all, or a crash would bring back a message that was removed.
-                # Which of the two is not asked: only a persistent message's enqueue looks here, and
-                # the set is emptied at every prepare().
-                early.add((name, seq))
+        name = q.name
+        missing = self.journal.dequeue_many(name, map(seq_of, entries))
+        if missing:
+            # Transient, or dequeued before its enqueue was staged (its hold not taken yet, or not
+            # even given: a ring overwrite in the transfer's own input batch): then the enqueue
+            # must not be staged at all, or a crash would bring back a message that was removed.
+            # Which of the two is not asked: only a persistent message's enqueue looks here, and
+            # the set is emptied at every prepare().
+            self._early.update([(name, seq) for seq in missing])
         self._wake()
 
     def _stage_arrivals(self) -> None:
@@ -176,11 +176,30 @@ class MessageStore:
         if not held:
             return
         early, journal, waiting, now = self._early, self.journal, self._waiting, self._now
+        persistent = self._is_persistent
+        run_queue: Queue | None = None  # a run of persistent transfers to one queue, staged in one call
+        run: list[Entry] = []
         for token, messages in held:
             # A transfer's messages are one message routed to several queues: one test says for all.
-            if not is_persistent(messages[0][1]):
+            if not persistent(messages[0][1]):
                 now.append(token)
                 continue
+            if len(messages) == 1:  # the usual case
+                q, entry = messages[0]
+                if early and (q.name, seq_of(entry)) in early:
+                    now.append(token)
+                    continue
+                if q is not run_queue:
+                    if run:
+                        journal.enqueue_run(run_queue.name, run)  # type: ignore[union-attr]
+                        run = []
+                    run_queue = q
+                run.append(entry)
+                waiting.append(token)
+                continue
+            if run:  # staged in arrival order
+                journal.enqueue_run(run_queue.name, run)  # type: ignore[union-attr]
+                run, run_queue = [], None
             placements = [(q.name, e) for q, e in messages]
             if early:
                 placements = [p for p in placements if (p[0], seq_of(p[1])) not in early]
@@ -189,6 +208,23 @@ class MessageStore:
                 waiting.append(token)
             else:
                 now.append(token)
+        if run:
+            journal.enqueue_run(run_queue.name, run)  # type: ignore[union-attr]
+
+    def _is_persistent(self, entry: Entry) -> bool:
+        """is_persistent, with the answer for the last persistent message's
+        exchange, routing key and properties kept: a message whose bytes after
+        the head start with those same bytes is persistent too (msgpack is
+        self-delimiting: the same bytes decode to the same fields), so a run
+        of a durable sender's messages costs one comparison each."""
+        if entry.startswith(self._persistent_head, ENTRY_HEAD_SIZE):
+            return True
+        if not is_persistent(entry):
+            return False
+        props = _str_end(entry, _str_end(entry, ENTRY_HEAD_SIZE))
+        if entry.startswith(_ONLY_DURABLE, props):
+            self._persistent_head = entry[ENTRY_HEAD_SIZE:props + len(_ONLY_DURABLE)]
+        return True
 
     def prepare(self) -> Commit | None:
         """On the loop, between input batches: stage what arrived, release the
