@@ -29,6 +29,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 import qflow  # noqa: E402
 from qflow import testing as qflowd  # noqa: E402
 
+# Queue arguments for the throughput runs: no limit and no flow control.
+NO_FLOW = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
+
 
 def spin_loop() -> float:
     """A fixed pure-Python workload: seconds it takes now on this machine."""
@@ -265,8 +268,7 @@ def recovery(count: int) -> dict:
         empty.stop()
         d = qflowd.start("--log-level", "warning", "--data-dir", data_dir)
         try:
-            trio.run(_declare, d.port, "held", {"qpid.max_size": 0, "qpid.flow_stop_count": 0,
-                                                "qpid.flow_stop_size": 0}, None, True)
+            trio.run(_declare, d.port, "held", NO_FLOW, None, True)
             # The producer returns once every transfer completed (Sender.sync): all of them are on disk.
             run_clients(_client("produce", d.port, "held", count, 64, style="batch", durable=True))
         finally:
@@ -319,7 +321,7 @@ def main() -> None:
     count = args.count or (2000 if args.smoke else 300_000)
     rounds = 1 if args.smoke else args.rounds
     spin_before = spin_loop()
-    no_flow = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
+    no_flow = NO_FLOW
     idle_flow = {"qpid.flow_stop_count": 100_000_000, "qpid.max_size": 0}
     cycling = {"qpid.flow_stop_count": 2000, "qpid.flow_resume_count": 1000, "qpid.max_size": 0}
     workloads = {

@@ -1,0 +1,125 @@
+"""The producer's client library of two source trees, interleaved in one run:
+is a change to qflow/client a regression, or a gain? (bench/README.md)
+
+    git archive main qflow | tar -x -C /tmp/base && cp qflow/_*.so /tmp/base/qflow/
+    .venv/bin/python bench/ab_sender.py --base /tmp/base --rounds 5
+
+Each run is ``make bench``'s 64b workload (a fresh qflowd of this tree, one
+consumer of this tree, one producer calling ``Sender.send`` once per message,
+capacity 1000, credit 1000), with the producer's qflow imported from ``--base``
+(A) or from this tree (B), alternated A B A B ...; ``--durable`` adds the same
+on a durable queue with a durable sender. Reported per variant: msg/s (first
+send to last fetch) and the producer's own CPU per message (its process time
+over the send loop and the final sync), and the median over rounds of the
+B/A ratios of runs side by side. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import trio
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from run import NO_FLOW, _client, _declare, _expect, spin_loop, start_broker  # noqa: E402
+
+# The producer, run with the qflow of the tree first on sys.path (argv[1]).
+PRODUCER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import trio, qflow
+port, count, size, durable = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "durable"
+assert qflow.__file__.startswith(sys.argv[1]), qflow.__file__
+
+async def main():
+    async with await qflow.connect("127.0.0.1", port) as conn:
+        sender = (await conn.session()).sender("bench", capacity=1000, durable=durable)
+        body = b"x" * size
+        print("READY", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("the parent went away")
+        t0, c0 = time.perf_counter(), time.process_time()
+        send = sender.send
+        for _ in range(count):
+            await send(body)
+        await sender.sync()
+        print(f"RESULT {t0!r} {time.process_time() - c0!r}", flush=True)
+
+trio.run(main)
+"""
+
+
+def one_run(tree: str, count: int, size: int, durable: bool) -> dict:
+    d = start_broker()
+    try:
+        trio.run(_declare, d.port, "bench", NO_FLOW, durable)
+        consumer = _client("consume", d.port, "bench", count, size)
+        producer = subprocess.Popen([sys.executable, "-c", PRODUCER, tree, str(d.port), str(count), str(size),
+                                     "durable" if durable else "transient"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs = (consumer, producer)
+        try:
+            for p in procs:
+                _expect(p, "READY")
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            t_last = float(_expect(consumer, "RESULT"))
+            t0, cpu = map(float, _expect(producer, "RESULT").split())
+            for p in procs:
+                p.stdin.close()
+                if p.wait(timeout=60):
+                    raise SystemExit("a client failed")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return {"msgs_per_s": count / (t_last - t0), "producer_us_per_msg": 1e6 * cpu / count}
+    finally:
+        d.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the other tree (its qflow/ with the compiled extensions)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--count", type=int, default=200_000)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--durable", action="store_true", help="also persistent: a durable queue and sender")
+    args = parser.parse_args()
+    base = os.path.abspath(args.base)
+    kinds = [False, True] if args.durable else [False]
+    runs: dict[str, list[dict]] = {}
+    spins = [spin_loop()]
+    for _ in range(args.rounds):
+        for durable in kinds:
+            for name, tree in (("A", base), ("B", ROOT)):
+                key = f"{name}_{'persistent' if durable else 'transient'}"
+                runs.setdefault(key, []).append(one_run(tree, args.count, args.size, durable))
+        spins.append(spin_loop())
+    out: dict = {"count": args.count, "size": args.size, "rounds": args.rounds, "spin_loop_s": [round(s, 3) for s in spins]}
+    for durable in kinds:
+        kind = "persistent" if durable else "transient"
+        a, b = runs[f"A_{kind}"], runs[f"B_{kind}"]
+        for field in ("msgs_per_s", "producer_us_per_msg"):
+            ratios = [y[field] / x[field] for x, y in zip(a, b, strict=True)]
+            out[f"{kind}_{field}_A"] = [round(r[field], 2) for r in a]
+            out[f"{kind}_{field}_B"] = [round(r[field], 2) for r in b]
+            out[f"{kind}_{field}_B_over_A"] = round(statistics.median(ratios), 3)
+            print(f"{kind:>10} {field:>20}: A {statistics.median(r[field] for r in a):>10.2f}   "
+                  f"B {statistics.median(r[field] for r in b):>10.2f}   B/A per round "
+                  + " ".join(f"{r:.2f}" for r in ratios) + f"   median {statistics.median(ratios):.3f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
