@@ -461,3 +461,34 @@ def test_a_bad_record_in_an_older_segment_sets_the_later_segments_aside(tmp_path
     j.close()
     _, again = opened(tmp_path, segment_size=seg)
     assert seqs(again)["q"] == list(range(1, len(kept) + 2))
+
+
+def test_a_run_of_enqueues_and_a_batch_of_dequeues_write_what_one_call_each_writes(tmp_path):
+    """enqueue_run and dequeue_many (the store's calls for a run of transfers and a
+    batch of accepts) write byte for byte the records that enqueue and dequeue write,
+    message by message, including a dequeue of a message staged in the same batch and
+    of one the journal does not hold (a transient message): that one is returned."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    a, _ = opened(one)
+    b, _ = opened(many)
+    first = [entry(s, b"m%d" % s) for s in range(1, 6)]
+    for e in first:
+        a.enqueue("q", e)
+    b.enqueue_run("q", first)
+    for j in (a, b):
+        j.enqueue("r", entry(1, b"r", "r"))
+        j.commit()
+    second = [entry(s, b"n%d" % s) for s in range(6, 9)]
+    for e in second:
+        a.enqueue("q", e)
+    b.enqueue_run("q", second)
+    assert [a.dequeue("q", s) for s in (2, 4, 7, 99)] == [True, True, True, False]
+    assert b.dequeue_many("q", [2, 4, 7, 99]) == [99]
+    assert b.dequeue_many("nowhere", [1, 2]) == [1, 2]
+    for j in (a, b):
+        j.commit()
+        j.close()
+    assert [p.read_bytes() for p in sorted(one.glob("*" + SUFFIX))] == \
+        [p.read_bytes() for p in sorted(many.glob("*" + SUFFIX))]
+    _, got = opened(many)
+    assert seqs(got) == {"q": [1, 3, 5, 6, 8], "r": [1]}

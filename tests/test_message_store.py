@@ -146,6 +146,46 @@ def test_a_deleted_durable_queue_stays_empty(harness, tmp_path):
     assert recovered(tmp_path) == {}
 
 
+def test_a_queue_deleted_and_declared_again_before_a_commit_keeps_its_new_persistent_messages(harness, tmp_path):
+    """The old queue's removals not yet committed must not keep the new queue's
+    messages, numbered from 1 again, out of the journal."""
+    p = harness.connect().session()
+    declare(p, "dq")
+    store = open_store(harness, tmp_path)
+    for i in range(3):
+        p.transfer("dq", b"t%d" % i)  # transient: sequence numbers 1-3, removed by the purge, none journalled
+    harness.run()
+    p.call(P.QUEUE_PURGE, "dq")
+    p.call(P.QUEUE_DELETE, "dq", False, False)
+    declare(p, "dq")
+    ids = [p.transfer("dq", b"p%d" % i, properties=DURABLE) for i in range(2)]  # persistent: 1 and 2
+    harness.run()
+    store.commit_inline()
+    harness.run()
+    assert not p.incomplete(ids)
+    assert recovered(tmp_path) == {"dq": [1, 2]}
+
+
+def test_the_persistent_answer_kept_for_a_run_fits_only_the_same_fields(tmp_path):
+    """MessageStore keeps the bytes of the last persistent message's exchange,
+    routing key and properties, so a durable sender's run costs one comparison
+    per message; a message that differs anywhere in them is asked afresh."""
+    def entry(props, routing_key="q", body=b"b"):
+        tail = encode_tail("", routing_key, props, body)
+        return ENTRY_HEAD.pack(0xC2, 0xCF, 1, 0xCF, message_size(len(tail), len(body))) + tail
+
+    store = open_store(Harness(), tmp_path)
+    assert store._is_persistent(entry(DURABLE))
+    assert store._is_persistent(entry(DURABLE, body=b"d" * 70_000))  # the same head, a bin32 body
+    assert not store._is_persistent(entry(None))
+    assert not store._is_persistent(entry({"durable": False}))
+    assert not store._is_persistent(entry(None, "q\x81"))  # the kept bytes must not match a longer key's start
+    assert store._is_persistent(entry({"durable": True, "message_id": "x"}))
+    assert store._is_persistent(entry(DURABLE, "other"))
+    assert not store._is_persistent(entry(None, "other"))
+    assert not store._is_persistent(entry({"headers": {"durable": True}}, "other"))
+
+
 def test_a_ring_queue_overwriting_in_the_same_batch_stores_only_what_it_keeps(harness, tmp_path):
     """Messages overwritten before their hold even reaches the store (the same
     input batch) must not be written at all, or they would come back."""

@@ -125,6 +125,37 @@ async def test_a_durable_senders_send_may_be_transient_and_sigterm_keeps_what_co
         d.stop()
 
 
+async def test_a_durable_senders_plain_sends_are_persistent_and_its_durability_can_change(data_dir: Path) -> None:
+    """A durable sender's plain sends take the per-message fast path (the cached
+    transfer head carries {"durable": true}); every completed one survives a
+    SIGKILL, marked durable. Setting ``sender.durable`` re-encodes the head: what
+    follows is transient, and gone after the crash."""
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", durable=True)
+            sender = ssn.sender("q", capacity=50, durable=True)
+            for i in range(300):
+                await sender.send(str(i).encode().ljust(8))  # one size: the cached prefix
+            sender.durable = False
+            assert not sender.durable
+            for i in range(300, 320):
+                await sender.send(str(i).encode().ljust(8))
+            await sender.sync()
+            assert (await ssn.query_queue("q"))["msgDepth"] == 320
+    finally:
+        d.kill()
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            back = await browse(await conn.session(), "q")
+            assert ids(back) == list(range(300))
+            assert all(m.durable and m.redelivered for m in back)
+    finally:
+        d.stop()
+
+
 async def test_accepted_messages_stay_gone_and_only_an_unsynced_tail_comes_back(data_dir: Path) -> None:
     d = qflowd(data_dir)
     try:
