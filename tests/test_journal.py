@@ -483,8 +483,8 @@ def test_a_run_of_enqueues_and_a_batch_of_dequeues_write_what_one_call_each_writ
         a.enqueue("q", e)
     b.enqueue_run("q", second)
     assert [a.dequeue("q", s) for s in (2, 4, 7, 99)] == [True, True, True, False]
-    assert b.dequeue_many("q", [2, 4, 7, 99]) == [99]
-    assert b.dequeue_many("nowhere", [1, 2]) == [1, 2]
+    assert b.dequeue_many("q", [entry(s, b"") for s in (2, 4, 7, 99)]) == [99]
+    assert b.dequeue_many("nowhere", [entry(1, b""), entry(2, b"")]) == [1, 2]
     for j in (a, b):
         j.commit()
         j.close()

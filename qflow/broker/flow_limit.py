@@ -198,14 +198,18 @@ class Holder:
         released every hold."""
         if self.removed:
             return
-        control = self.control
-        for token in tokens:
-            try:
-                op = pack_op(OP_RELEASE, self.slot, token, 0, 0)
-            except struct.error:
-                raise ValueError(f"holder {self.name!r}: {token!r} is not a hold token") from None
-            control.log += op
-            control.log_seqs.append(None)
+        control, slot = self.control, self.slot
+        try:
+            ops = [pack_op(OP_RELEASE, slot, token, 0, 0) for token in tokens]
+        except struct.error:
+            for token in tokens:  # name the bad one (nothing was logged)
+                try:
+                    pack_op(OP_RELEASE, slot, token, 0, 0)
+                except struct.error:
+                    raise ValueError(f"holder {self.name!r}: {token!r} is not a hold token") from None
+            raise ValueError(f"holder {self.name!r}: a token given is not a hold token") from None
+        control.log += b"".join(ops)
+        control.log_seqs += [None] * len(ops)
 
 
 class FlowControl:

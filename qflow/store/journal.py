@@ -86,6 +86,7 @@ _ENQ = struct.Struct("<IQI")
 _DEQ = struct.Struct("<IQ")
 _entry_head = ENTRY_HEAD.pack
 _ABSENT = object()
+_seq_tuple = struct.Struct(">2xQ").unpack_from  # (seq,) of an entry: map()ped with no Python call per entry
 
 
 class JournalError(Exception):
@@ -112,6 +113,16 @@ class _Segment:
         self.members.setdefault(queue, {})[seq] = entry
         self.live += 1
         self.live_bytes += len(entry)
+
+    def add_many(self, queue: str, entries: dict[int, Entry]) -> None:
+        """:meth:`add` for each (seq, entry) of ``entries``."""
+        members = self.members.get(queue)
+        if members is None:
+            self.members[queue] = entries.copy()
+        else:
+            members.update(entries)
+        self.live += len(entries)
+        self.live_bytes += sum(map(len, entries.values()))
 
     def remove(self, queue: str, seq: int) -> None:
         entry = self.members[queue].pop(seq)
@@ -236,16 +247,17 @@ class Journal:
             members[seq] = entry
         staged.tail_bytes += tail_bytes - ENTRY_HEAD_SIZE * len(entries)
 
-    def dequeue_many(self, queue: str, seqs: Iterable[int]) -> list[int]:
-        """:meth:`dequeue` for each of ``seqs`` of ``queue``, in one call;
-        returns those the journal does not hold (nothing staged for them)."""
+    def dequeue_many(self, queue: str, entries: Iterable[Entry]) -> list[int]:
+        """:meth:`dequeue` for each of ``entries`` (stored entries) of ``queue``,
+        in one call; returns the sequence numbers of those the journal does not
+        hold (nothing staged for them)."""
         segs = self._live.get(queue)
         if segs is None:
-            return list(seqs)
+            return [seq for (seq,) in map(_seq_tuple, entries)]
         missing: list[int] = []
-        removed: list[tuple[int, ...]] = []
+        removed: list[int] = []
         staged_members = self._staged_members.get(queue)
-        for seq in seqs:
+        for (seq,) in map(_seq_tuple, entries):
             seg = segs.pop(seq, _ABSENT)
             if seg is _ABSENT:
                 missing.append(seq)
@@ -253,7 +265,9 @@ class Journal:
             if seg is None:
                 del staged_members[seq]  # type: ignore[index]  # staged, so its queue has staged members
             else:
-                seg.remove(queue, seq)
+                entry = seg.members[queue].pop(seq)  # seg.remove, inlined: per message
+                seg.live -= 1
+                seg.live_bytes -= len(entry)
             removed.append(seq)
         if removed:
             name = self._name(queue)
@@ -327,10 +341,8 @@ class Journal:
         for queue, seqs in self._staged_members.items():
             if not seqs:  # all dequeued or deleted before this take
                 continue
-            lq = live[queue]
-            for seq, entry in seqs.items():
-                lq[seq] = cur
-                cur.add(queue, seq, entry)
+            live[queue].update(dict.fromkeys(seqs, cur))
+            cur.add_many(queue, seqs)
         self._staged_members = {}
         for seg in list(self._segments.values()):  # oldest first: each dies only after all older ones
             if seg is cur or seg.live:

@@ -24,8 +24,10 @@ The cycle, all on the event loop except ``write_and_sync``::
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -42,6 +44,7 @@ log = logging.getLogger("qflow.store")
 
 
 _ONLY_DURABLE = msgpack.packb({"durable": True})
+_seq_tuple = struct.Struct(">2xQ").unpack_from  # (seq,) of an entry: map()ped with no Python call per entry
 
 
 def _str_end(entry: Entry, pos: int) -> int:
@@ -110,7 +113,8 @@ class MessageStore:
         self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued)
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
-        self._early: set[tuple[str, int]] = set()  # persistent messages dequeued before their hold arrived
+        # Queue name -> sequence numbers dequeued before their hold was staged (and transient ones: see _dequeued)
+        self._early: dict[str, set[int]] = {}
         self._persistent_head = b"\xff"  # see _is_persistent (0xff starts no entry's exchange)
         self._orphans: dict[str, list[Entry]] = {}  # recovered for a queue not declared (durable) at restore()
         broker.on_queue_declared.append(self.attach)
@@ -154,19 +158,23 @@ class MessageStore:
             self.journal.delete_queue(q.name)
             # A queue of that name declared before the next prepare() numbers its messages from 1
             # again: the deleted one's early dequeues must not keep them out of the journal.
-            self._early = {k for k in self._early if k[0] != q.name}
+            self._early.pop(q.name, None)
             self._wake()
 
     def _dequeued(self, q: Queue, entries: Sequence[Entry]) -> None:
         name = q.name
-        missing = self.journal.dequeue_many(name, map(seq_of, entries))
+        missing = self.journal.dequeue_many(name, entries)
         if missing:
             # Transient, or dequeued before its enqueue was staged (its hold not taken yet, or not
             # even given: a ring overwrite in the transfer's own input batch): then the enqueue
             # must not be staged at all, or a crash would bring back a message that was removed.
             # Which of the two is not asked: only a persistent message's enqueue looks here, and
             # the set is emptied at every prepare().
-            self._early.update([(name, seq) for seq in missing])
+            early = self._early.get(name)
+            if early is None:
+                self._early[name] = set(missing)
+            else:
+                early.update(missing)
         self._wake()
 
     def _stage_arrivals(self) -> None:
@@ -175,41 +183,57 @@ class MessageStore:
         held = self.holder.take()
         if not held:
             return
-        early, journal, waiting, now = self._early, self.journal, self._waiting, self._now
-        persistent = self._is_persistent
+        early, journal, now = self._early, self.journal, self._now
+        head = self._persistent_head
         run_queue: Queue | None = None  # a run of persistent transfers to one queue, staged in one call
         run: list[Entry] = []
+        tokens: list[int] = []
         for token, messages in held:
             # A transfer's messages are one message routed to several queues: one test says for all.
-            if not persistent(messages[0][1]):
-                now.append(token)
-                continue
-            if len(messages) == 1:  # the usual case
-                q, entry = messages[0]
-                if early and (q.name, seq_of(entry)) in early:
+            entry = messages[0][1]
+            if not entry.startswith(head, ENTRY_HEAD_SIZE):  # _is_persistent's first test, inlined
+                if not self._is_persistent(entry):
                     now.append(token)
                     continue
+                head = self._persistent_head
+            if len(messages) == 1:  # the usual case
+                q = messages[0][0]
                 if q is not run_queue:
                     if run:
-                        journal.enqueue_run(run_queue.name, run)  # type: ignore[union-attr]
-                        run = []
+                        self._stage_run(run_queue, run, tokens)  # type: ignore[arg-type]
+                        run, tokens = [], []
                     run_queue = q
                 run.append(entry)
-                waiting.append(token)
+                tokens.append(token)
                 continue
             if run:  # staged in arrival order
-                journal.enqueue_run(run_queue.name, run)  # type: ignore[union-attr]
-                run, run_queue = [], None
+                self._stage_run(run_queue, run, tokens)  # type: ignore[arg-type]
+                run, tokens, run_queue = [], [], None
             placements = [(q.name, e) for q, e in messages]
             if early:
-                placements = [p for p in placements if (p[0], seq_of(p[1])) not in early]
+                placements = [p for p in placements if seq_of(p[1]) not in early.get(p[0], ())]
             if placements:
                 journal.enqueue_fanout(placements)
-                waiting.append(token)
+                self._waiting.append(token)
             else:
                 now.append(token)
         if run:
-            journal.enqueue_run(run_queue.name, run)  # type: ignore[union-attr]
+            self._stage_run(run_queue, run, tokens)  # type: ignore[arg-type]
+
+    def _stage_run(self, q: Queue, entries: list[Entry], tokens: list[int]) -> None:
+        """Stage a run of persistent messages to ``q``, one per transfer (``tokens``),
+        but those dequeued already: their holds are let go at once."""
+        early = self._early.get(q.name)
+        if early:
+            keep = [seq not in early for (seq,) in map(_seq_tuple, entries)]
+            if not all(keep):
+                self._now.extend(t for t, k in zip(tokens, keep, strict=True) if not k)
+                tokens = list(compress(tokens, keep))
+                entries = list(compress(entries, keep))
+                if not entries:
+                    return
+        self._waiting.extend(tokens)
+        self.journal.enqueue_run(q.name, entries)
 
     def _is_persistent(self, entry: Entry) -> bool:
         """is_persistent, with the answer for the last persistent message's
