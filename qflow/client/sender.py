@@ -8,12 +8,6 @@ bytes msgpack's Packer writes). A plain transfer (the sender's routing key and
 its default properties: none, or ``{"durable": true}`` for a durable sender)
 takes its prefix from a cache keyed by the body's size; that is the
 per-message fast path, and it differs from the general one only there.
-
-Completions may arrive out of order: on a durable queue a persistent transfer
-completes only once it is on disk, while a transient one (or a persistent one
-whose message was accepted before its commit) completes at once. So "N
-transfers completed" does not mean "the first N are safe"; to know which are,
-read completion per command id.
 """
 
 from __future__ import annotations
@@ -81,7 +75,12 @@ class Sender:
     of its transfers are incomplete at once: ``send`` waits while that many
     are, and the broker holds completions back while a destination queue's
     flow is stopped. ``durable``: whether its messages are persistent unless a
-    send says otherwise."""
+    send says otherwise.
+
+    Completions may arrive out of order: a persistent message accepted before
+    its commit completes at once, ahead of earlier ones still waiting for the
+    disk, so "N completions" does not mean "the first N are safe"; read
+    completion per command id."""
 
     def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
                  flow_notify: float, flow_timeout: float | None, durable: bool = False) -> None:
