@@ -1,17 +1,20 @@
-"""The producer's client library of two source trees, interleaved in one run:
-is a change to qflow/client a regression, or a gain? (bench/README.md)
+"""The producer's client library, or the broker, of two source trees,
+interleaved in one run: is a change a regression, or a gain? (bench/README.md)
 
     git archive main qflow | tar -x -C /tmp/base && cp qflow/_*.so /tmp/base/qflow/
-    .venv/bin/python bench/ab_sender.py --base /tmp/base --rounds 5
+    .venv/bin/python bench/ab_trees.py --base /tmp/base --rounds 5 [--side broker] [--durable]
 
-Each run is ``make bench``'s 64b workload (a fresh qflowd of this tree, one
-consumer of this tree, one producer calling ``Sender.send`` once per message,
-capacity 1000, credit 1000), with the producer's qflow imported from ``--base``
-(A) or from this tree (B), alternated A B A B ...; ``--durable`` adds the same
-on a durable queue with a durable sender. Reported per variant: msg/s (first
-send to last fetch) and the producer's own CPU per message (its process time
-over the send loop and the final sync), and the median over rounds of the
-B/A ratios of runs side by side. The last line is one JSON object.
+Each run is ``make bench``'s 64b workload (a fresh qflowd, one consumer, one
+producer calling ``Sender.send`` once per message, capacity 1000, credit 1000),
+with one side's qflow imported from ``--base`` (A) or from this tree (B), the
+rest from this tree, alternated A B A B ...; ``--durable`` adds the same on a
+durable queue with a durable sender. ``--side producer`` (the default): the
+producer's client library differs; reported per variant: msg/s (first send to
+last fetch), the producer's own CPU per message (its process time over the
+send loop and the final sync), and the median over rounds of the B/A ratios
+of runs side by side. ``--side broker``: qflowd differs; also reported, with
+``--durable``, each variant's persistent ÷ transient ratio per round. The last
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 import trio
 
@@ -37,7 +41,7 @@ import sys, time
 sys.path.insert(0, sys.argv[1])
 import trio, qflow
 port, count, size, durable = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "durable"
-assert qflow.__file__.startswith(sys.argv[1]), qflow.__file__
+assert qflow.__file__.startswith(sys.argv[1] + "/"), qflow.__file__
 
 async def main():
     async with await qflow.connect("127.0.0.1", port) as conn:
@@ -57,13 +61,15 @@ trio.run(main)
 """
 
 
-def one_run(tree: str, count: int, size: int, durable: bool) -> dict:
-    d = start_broker()
+def one_run(tree: str, count: int, size: int, durable: bool, side: str) -> dict:
+    # qflowd runs as ``python -m``, so its sys.path starts with the current directory (main() moved
+    # out of any tree) and then PYTHONPATH: the tree asked for.
+    d = start_broker(env={"PYTHONPATH": tree if side == "broker" else ROOT})
     try:
         trio.run(_declare, d.port, "bench", NO_FLOW, durable)
         consumer = _client("consume", d.port, "bench", count, size)
-        producer = subprocess.Popen([sys.executable, "-c", PRODUCER, tree, str(d.port), str(count), str(size),
-                                     "durable" if durable else "transient"],
+        producer = subprocess.Popen([sys.executable, "-c", PRODUCER, tree if side == "producer" else ROOT,
+                                     str(d.port), str(count), str(size), "durable" if durable else "transient"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs = (consumer, producer)
         try:
@@ -95,8 +101,11 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=200_000)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--durable", action="store_true", help="also persistent: a durable queue and sender")
+    parser.add_argument("--side", choices=("producer", "broker"), default="producer",
+                        help="whose qflow comes from --base: the producer's, or qflowd's")
     args = parser.parse_args()
     base = os.path.abspath(args.base)
+    os.chdir(tempfile.gettempdir())  # no qflow/ in qflowd's current directory, which python -m puts first
     kinds = [False, True] if args.durable else [False]
     runs: dict[str, list[dict]] = {}
     spins = [spin_loop()]
@@ -104,9 +113,9 @@ def main() -> None:
         for durable in kinds:
             for name, tree in (("A", base), ("B", ROOT)):
                 key = f"{name}_{'persistent' if durable else 'transient'}"
-                runs.setdefault(key, []).append(one_run(tree, args.count, args.size, durable))
+                runs.setdefault(key, []).append(one_run(tree, args.count, args.size, durable, args.side))
         spins.append(spin_loop())
-    out: dict = {"count": args.count, "size": args.size, "rounds": args.rounds, "spin_loop_s": [round(s, 3) for s in spins]}
+    out: dict = {"side": args.side, "count": args.count, "size": args.size, "rounds": args.rounds, "spin_loop_s": [round(s, 3) for s in spins]}
     for durable in kinds:
         kind = "persistent" if durable else "transient"
         a, b = runs[f"A_{kind}"], runs[f"B_{kind}"]
@@ -118,6 +127,13 @@ def main() -> None:
             print(f"{kind:>10} {field:>20}: A {statistics.median(r[field] for r in a):>10.2f}   "
                   f"B {statistics.median(r[field] for r in b):>10.2f}   B/A per round "
                   + " ".join(f"{r:.2f}" for r in ratios) + f"   median {statistics.median(ratios):.3f}")
+    if args.durable:
+        for name in "AB":
+            ratios = [p["msgs_per_s"] / t["msgs_per_s"]
+                      for p, t in zip(runs[f"{name}_persistent"], runs[f"{name}_transient"], strict=True)]
+            out[f"{name}_persistent_over_transient"] = round(statistics.median(ratios), 3)
+            print(f"{name}: persistent / transient per round " + " ".join(f"{r:.2f}" for r in ratios)
+                  + f"   median {statistics.median(ratios):.3f}")
     print(json.dumps(out))
 
 
