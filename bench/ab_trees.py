@@ -109,9 +109,10 @@ def main() -> None:
     kinds = [False, True] if args.durable else [False]
     runs: dict[str, list[dict]] = {}
     spins = [spin_loop()]
-    for _ in range(args.rounds):
+    for rnd in range(args.rounds):
         for durable in kinds:
-            for name, tree in (("A", base), ("B", ROOT)):
+            # A B in even rounds, B A in odd ones: neither variant always runs first
+            for name, tree in (("A", base), ("B", ROOT))[::-1 if rnd % 2 else 1]:
                 key = f"{name}_{'persistent' if durable else 'transient'}"
                 runs.setdefault(key, []).append(one_run(tree, args.count, args.size, durable, args.side))
         spins.append(spin_loop())
