@@ -7,7 +7,7 @@ interleaved in one run: is a change a regression, or a gain? (bench/README.md)
 Each run is ``make bench``'s 64b workload (a fresh qflowd, one consumer, one
 producer calling ``Sender.send`` once per message, capacity 1000, credit 1000),
 with one side's qflow imported from ``--base`` (A) or from this tree (B), the
-rest from this tree, alternated A B A B ...; ``--durable`` adds the same on a
+rest from this tree, alternated A B, B A, A B ...; ``--durable`` adds the same on a
 durable queue with a durable sender. ``--side producer`` (the default): the
 producer's client library differs; reported per variant: msg/s (first send to
 last fetch), the producer's own CPU per message (its process time over the
