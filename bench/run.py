@@ -370,6 +370,8 @@ def main() -> None:
                           "spin_loop_s_rounds": [round(s, 3) for s in spins]}))
         return
     print(f"{'flow cycles':>22}: {[r['flow_stopped_count'] for r in results['64b_flow_cycling']]}")
+    print(f"{'persistent / transient':>22}: 64b {paired('64b_persistent', '64b'):.3f}, "
+          f"1k {paired('1k_persistent', '1k'):.3f} (median of the rounds' pairs; the goal: 0.5 or more)")
     sys.path.insert(0, HERE)
     from release import measure  # noqa: E402 - bench/ is not a package
 
