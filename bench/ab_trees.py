@@ -66,7 +66,7 @@ def one_run(tree: str, count: int, size: int, durable: bool, side: str) -> dict:
     # out of any tree) and then PYTHONPATH: the tree asked for.
     d = start_broker(env={"PYTHONPATH": tree if side == "broker" else ROOT})
     try:
-        trio.run(_declare, d.port, "bench", NO_FLOW, durable)
+        trio.run(_declare, d.port, "bench", NO_FLOW, None, durable)
         consumer = _client("consume", d.port, "bench", count, size)
         producer = subprocess.Popen([sys.executable, "-c", PRODUCER, tree if side == "producer" else ROOT,
                                      str(d.port), str(count), str(size), "durable" if durable else "transient"],
