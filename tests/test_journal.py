@@ -193,6 +193,32 @@ def test_a_pinned_message_does_not_keep_the_journal_growing(tmp_path):
     assert got == {"slow": [redelivered(entry(1, b"pinned"))]}
 
 
+def test_carry_forward_keeps_a_fanout_messages_body_stored_once(tmp_path):
+    """"Fanout and topic routing store one copy of the body, whatever the number
+    of queues": also after carry-forward moves the message out of its segment."""
+    seg = 8192
+    j, _ = opened(tmp_path, segment_size=seg, carry_below=0.25)
+    body = b"B" * 400  # one fanout message on three durable queues: under carry_below of a segment
+    j.enqueue_fanout([(q, entry(1, body)) for q in ("a", "b", "c")])
+    j.commit()
+    for s in range(1, 600):  # a stream through another queue kills segments; carry-forward moves the fanout copies
+        j.enqueue("fast", entry(s, b"f" * 60))
+        if s > 20:
+            j.dequeue("fast", s - 20)
+        if s % 10 == 0:
+            j.commit()
+    for s in range(580, 600):
+        j.dequeue("fast", s)
+    for _ in range(3):
+        j.commit()
+    on_disk = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+    assert on_disk.count(body) == 1, f"the body is on disk {on_disk.count(body)} times"
+    assert j.size_on_disk() < 2 * seg
+    j.close()
+    _, got = opened(tmp_path, segment_size=seg)
+    assert got == {q: [redelivered(entry(1, body))] for q in ("a", "b", "c")}
+
+
 def test_a_batch_counts_whole_or_not_at_all(tmp_path):
     """A record with a good crc but an impossible body index (a bug, or a
     collision) is refused whole: its first, well-formed enqueue is not applied."""

@@ -361,9 +361,14 @@ class Journal:
         if head is None or head is self._current or not head.live \
                 or head.live_bytes >= self.carry_below * self.segment_size:
             return
+        # Entries that differ only in their heads are one message on several queues (fanout,
+        # topic): carried forward together, their body is still stored once.
+        copies: dict[memoryview, list[tuple[str, Entry]]] = {}
         for queue, seqs in list(head.members.items()):
             for entry in list(seqs.values()):
-                self.enqueue_fanout(((queue, entry),))
+                copies.setdefault(memoryview(entry)[ENTRY_HEAD_SIZE:], []).append((queue, entry))
+        for placements in copies.values():
+            self.enqueue_fanout(placements)
 
     # -- the writer (a worker thread) -------------------------------------------
     def write_and_sync(self, batch: Batch) -> None:
