@@ -69,6 +69,8 @@ class Broker:
             for name, type_ in (("", "direct"), ("amq.direct", "direct"), ("amq.fanout", "fanout"),
                                 ("amq.topic", "topic"))
         }
+        self._default_exchange = self.exchanges[""]  # routed inline on the per-message path
+        self.discards_no_route = 0  # transfers routed to no queue, broker-wide (Qpid's discardsNoRoute)
         self.sessions: dict[int, BrokerSession] = {}
         self._next_session_slot = 0
         self._ready: dict[Queue, None] = {}  # queues with messages to deliver
@@ -190,23 +192,33 @@ class Broker:
         if properties is not None:
             P.check_properties(properties)
         if exchange == "":  # the default exchange, inline: this is the per-message path
+            ex = self._default_exchange
             q = self.queues.get(routing_key)
             queues = q.route if q is not None else ()
         else:
             queues = self.route(exchange, routing_key, properties)
-        if not queues:
-            ssn.commands.complete(command_id)
-            self._dirty_sessions[ssn] = None
-            return
+            ex = self.exchanges[exchange]
         if tail is None:
             tail = encode_tail(exchange, routing_key, properties, body)
         # The message's size (qflow.protocol.entries.message_size), inline: a call per
         # message would cost more than the sum.
         n = len(body)
         size = len(tail) - (2 if n < 0x100 else 3 if n < 0x10000 else 5)
+        if not queues:
+            # Unroutable: completed and dropped, as qpidd does, but counted.
+            ex.msg_in += 1
+            ex.byte_in += size
+            ex.msg_drop += 1
+            ex.byte_drop += size
+            self.discards_no_route += 1
+            ssn.commands.complete(command_id)
+            self._dirty_sessions[ssn] = None
+            return
         for q in queues:
             if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
                 self._refuse_when_full(q)
+        ex.msg_in += 1
+        ex.byte_in += size
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
         if len(queues) == 1:
@@ -221,6 +233,9 @@ class Broker:
         # Several destinations, or outside holders: the transfer is opened, each
         # queue enqueues, the queues' outside holders hold it, and closing it
         # drops its routing hold (qflow.broker.flow_limit).
+        if len(queues) > 1:
+            ex.msg_extra += len(queues) - 1
+            ex.byte_extra += size * (len(queues) - 1)
         flow = self.flow
         flow.log += pack_op(OP_TRANSFER, ssn.slot, command_id, 0, 0)
         flow.log_seqs.append(None)
@@ -290,7 +305,7 @@ class Broker:
         if ssn.last_queues is not queues:
             self._note_writer(ssn, queues)
         if len(queues) > 1 or queues[0].holders:
-            return self._fanout_run(ssn, queues, buf, pos, count, max_bytes)
+            return self._fanout_run(ssn, queues, self.exchanges[exchange], buf, pos, count, max_bytes)
         q = queues[0]
         seq = q.next_seq
         commands = ssn.commands
@@ -299,13 +314,16 @@ class Broker:
         if not n:
             return 0
         commands.next_id = cid + n
+        ex = self.exchanges[exchange]  # counted once per run
+        ex.msg_in += n
+        ex.byte_in += nbytes
         q.enqueue_run(entries, nbytes)
         self.flow.log_seqs.extend(range(seq, seq + n))
         self.flow.log += ops
         return consumed
 
-    def _fanout_run(self, ssn: BrokerSession, queues: list[Queue], buf: bytes, pos: int, count: int,
-                    max_bytes: int) -> int:
+    def _fanout_run(self, ssn: BrokerSession, queues: list[Queue], ex: Exchange, buf: bytes, pos: int,
+                    count: int, max_bytes: int) -> int:
         """:meth:`transfer_run` for a run routed to several queues, or to queues
         with outside holders: each queue gets its own entries (their sequence
         numbers differ), and the ops are those :meth:`transfer` logs for such a
@@ -319,6 +337,10 @@ class Broker:
         holders = holders_of(queues)
         ops = runs.fanout_ops(buf, pos, n, ssn.slot, cid, [q.slot for q in queues], [h.slot for h in holders])
         ssn.commands.next_id = cid + n
+        ex.msg_in += n
+        ex.byte_in += nbytes
+        ex.msg_extra += n * (len(queues) - 1)
+        ex.byte_extra += nbytes * (len(queues) - 1)
         seqs = [q.next_seq for q in queues]
         for q, (_, _, _, entries, _) in zip(queues, stored, strict=True):
             q.enqueue_run(entries, nbytes)

@@ -72,6 +72,7 @@ class Delivery:
             return
         did = ssn.next_delivery
         ssn.next_delivery = did + len(batch)
+        c.delivered += len(batch)
         c.write(did, batch)
         if untracked:  # keep unacked's index = delivery id - base
             ssn.unacked += [None] * len(batch)
@@ -117,6 +118,7 @@ class Delivery:
         ssn = c.session
         did = ssn.next_delivery
         ssn.next_delivery = did + n
+        c.delivered += n
         c.write(did, batch)
         unacked = ssn.unacked
         if c.accept_mode == ACCEPT_EXPLICIT:

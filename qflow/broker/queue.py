@@ -28,7 +28,7 @@ _entry_head = ENTRY_HEAD.pack
 
 class Consumer:
     __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor",
-                 "write")
+                 "write", "delivered")
 
     def __init__(self, session: Any, destination: str, queue: Queue, accept_mode: int, acquire_mode: int) -> None:
         self.session = session
@@ -39,6 +39,7 @@ class Consumer:
         self.credit = 0  # messages; -1 = unlimited
         self.byte_credit = 0  # bytes; -1 = unlimited
         self.cursor = 0  # a browser's next sequence number to deliver
+        self.delivered = 0  # messages delivered, counted per batch (qpid-stat -u's "delivered")
         # write(first_delivery_id, entries): its deliveries, as its session's output encodes them
         self.write = session.out.deliveries(destination)
 
