@@ -186,6 +186,11 @@ class Connection:
         return self.protocol.user
 
     @property
+    def server_properties(self) -> dict[str, Any]:
+        """The broker's connection.open-ok options (``broker``, ``management_port``, ...), once open."""
+        return self.protocol.peer_properties
+
+    @property
     def max_frame_size(self) -> int:
         """The negotiated maximum frame size (what was asked, until the open-ok)."""
         return self.protocol.max_frame_size

@@ -65,11 +65,14 @@ from qflow.management.views import (
     jsonable,
     queue_view,
     queue_views,
+    subscription_views,
 )
 from qflow.protocol import CommandError
-from qflow.protocol.names import name_problem
+from qflow.protocol.names import name_problem, printable
 
 log = logging.getLogger("qflow.management")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")  # as qflowd --log-level names them
 
 MAX_QUERY_FIELDS = 16
 MAX_JSON_DEPTH = 32
@@ -242,8 +245,11 @@ _ROUTES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("POST", ("api", "bindings"), "add_binding"),
     ("DELETE", ("api", "bindings"), "delete_binding"),
     ("GET", ("api", "connections"), "list_connections"),
+    ("GET", ("api", "subscriptions"), "list_subscriptions"),
     ("GET", ("api", "broker"), "get_broker"),
     ("POST", ("api", "acl", "reload"), "reload_acl"),
+    ("GET", ("api", "broker", "log-level"), "get_log_level"),
+    ("PUT", ("api", "broker", "log-level"), "put_log_level"),
     ("GET", ("metrics",), "metrics"),
     ("GET", ("api",), "index"),
     ("GET", (), "index"),
@@ -336,10 +342,28 @@ class ManagementApi:
         self.started_at = clock()
 
     # -- entry point ----------------------------------------------------------
-    def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous") -> Response:
+    def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
+               peer: str = "") -> Response:
         """Answer one request of ``user`` (checked against the ACL, if any).
-        Never raises: refusals become 4xx responses."""
+        Never raises: refusals become 4xx responses. A change (any method but
+        GET and HEAD) is logged at info with who asked (``peer``, the HTTP
+        client's address, and ``user``) and whether it was made or refused."""
         self.user = user
+        response = self._handle(method, target, body)
+        if method not in ("GET", "HEAD"):
+            outcome = "done" if response.status < 400 else "refused"
+            detail = body.decode("utf-8", "backslashreplace").strip()
+            if response.status >= 400:
+                try:
+                    detail = json.loads(response.body).get("error", "")
+                except (ValueError, AttributeError):
+                    pass
+            log.info("management change by %s (user '%s'): %s %s %s (%d)%s", peer or "?", printable(user), method,
+                     printable(target.decode("ascii", "backslashreplace")[:300]), outcome, response.status,
+                     f": {printable(detail[:300])}" if detail else "")
+        return response
+
+    def _handle(self, method: str, target: bytes, body: bytes) -> Response:
         try:
             segments, query = _split_target(target)
             methods, params = _match(segments)
@@ -539,6 +563,10 @@ class ManagementApi:
             views = [v for v in views if v["user"] == self.user]
         return json_response(200, views)
 
+    def list_subscriptions(self, *, query: dict[str, str], body: bytes) -> Response:
+        self._no_query(query)
+        return json_response(200, subscription_views(self.server))
+
     def broker_view(self, queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``views.broker_view`` with this API's server, options and start time."""
         return broker_view(self.broker, self.server, self.options, self.started_at, self._clock(), queues,
@@ -548,6 +576,20 @@ class ManagementApi:
         self._no_query(query)
         self._allow("access", "broker", {})
         return json_response(200, self.broker_view())
+
+    def get_log_level(self, *, query: dict[str, str], body: bytes) -> Response:
+        self._no_query(query)
+        return json_response(200, {"level": logging.getLevelName(logging.getLogger().level).lower()})
+
+    def put_log_level(self, *, query: dict[str, str], body: bytes) -> Response:
+        """Change the broker's log level at run time (qflowd --log-level's names): ``{"level": "debug"}``."""
+        self._no_query(query)
+        fields = _fields(parse_json_object(body), ("level",))
+        level = _get(fields, "level", str, required=True)
+        if level.lower() not in LOG_LEVELS:
+            raise ApiError(400, f"field 'level' must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
+        logging.getLogger().setLevel(level.upper())
+        return json_response(200, {"level": level.lower()})
 
     def index(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
@@ -562,7 +604,8 @@ class ManagementApi:
         self._no_query(query)
         self._allow("access", "broker", {})
         queues = queue_views(self.broker)  # built once: the totals and the per-queue samples share them
-        return Response(200, render_metrics(self.broker_view(queues), queues).encode(), METRICS_TYPE)
+        return Response(200, render_metrics(self.broker_view(queues), queues, exchange_views(self.broker)).encode(),
+                        METRICS_TYPE)
 
 
 def _trio_now() -> float | None:

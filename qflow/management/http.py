@@ -23,6 +23,7 @@ from qflow import __version__
 from qflow.management.api import ManagementApi, Response, error_response
 from qflow.management.guard import RequestGuard
 from qflow.protocol.names import printable
+from qflow.protocol.framing import PROTOCOL_HEADER
 
 log = logging.getLogger("qflow.management")
 
@@ -34,6 +35,8 @@ MAX_TARGET = 8 * 1024  # bytes of request target: a name is at most 255 bytes, 7
 MAX_HEADERS = 64
 MAX_CONNECTIONS = 64
 READ_SIZE = 64 * 1024
+WRONG_PORT_HINT = ("this is qflowd's management HTTP port, not its messaging port: give the broker's "
+                   "address (port 5672 by default)")
 
 
 class _Reject(Exception):
@@ -160,7 +163,7 @@ class ManagementServer:
             method, target, body, headers = request
             credentials = basic_credentials(headers)
             response = unauthorized(headers, self.authenticate, peer) or self.api.handle(
-                method, target, body, credentials[0] if credentials else "anonymous")
+                method, target, body, credentials[0] if credentials else "anonymous", peer=peer)
             with trio.move_on_after(self.timeout) as scope:
                 await self._respond(conn, stream, response, head=method == "HEAD")
             if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
@@ -181,6 +184,10 @@ class ManagementServer:
                 if request is not None and conn.they_are_waiting_for_100_continue:
                     await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
                 data = await stream.receive_some(READ_SIZE)
+                if data and not received[0] and conn.their_state is h11.IDLE \
+                        and data.startswith(PROTOCOL_HEADER[:len(data)]):
+                    # A qflow client on the wrong port: tell it now, not after the request timeout.
+                    raise _Reject(400, WRONG_PORT_HINT)
                 if data:
                     received[0] = True
                 conn.receive_data(data)

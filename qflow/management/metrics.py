@@ -7,7 +7,7 @@ It renders the same views the JSON API serves (``views.broker_view`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,6 +51,21 @@ BROKER_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# (metric, type, help, field of the exchange view), labelled exchange (the default one is "").
+EXCHANGE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("qflow_exchange_messages_received_total", "counter", "Messages sent to the exchange (msgReceives).",
+     "msgReceives"),
+    ("qflow_exchange_messages_routed_total", "counter", "Messages routed to queues, one per queue (msgRoutes).",
+     "msgRoutes"),
+    ("qflow_exchange_messages_dropped_total", "counter", "Messages that matched no binding and were discarded "
+     "(msgDrops).", "msgDrops"),
+    ("qflow_exchange_bytes_received_total", "counter", "Bytes sent to the exchange (byteReceives).", "byteReceives"),
+    ("qflow_exchange_bytes_routed_total", "counter", "Bytes routed to queues, once per queue (byteRoutes).",
+     "byteRoutes"),
+    ("qflow_exchange_bytes_dropped_total", "counter", "Bytes of the messages discarded unroutable (byteDrops).",
+     "byteDrops"),
+)
+
 # (metric, type, help, field of the broker view): the durable store's quota (qflow.store.quota), then the memory alarm.
 RESOURCE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("qflow_store_size_bytes", "gauge", "Bytes of the message journal on disk (storeSize).", "storeSize"),
@@ -73,9 +88,11 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]]) -> str:
+def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]],
+                   exchanges: Sequence[dict[str, Any]] = ()) -> str:
     """Every metric family: the broker-wide ones from ``broker`` (a broker view),
-    then one sample per queue view in ``queues``, labelled ``queue``."""
+    then one sample per queue view in ``queues``, labelled ``queue``, and one
+    per exchange view in ``exchanges``, labelled ``exchange``."""
     out: list[str] = []
 
     def family(name: str, type_: str, help_: str, samples: Iterable[tuple[str, Any]]) -> None:
@@ -87,9 +104,14 @@ def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]]) -> str:
     family("qflow_uptime_seconds", "gauge", "Seconds since the broker started.", [("", broker["uptimeSeconds"])])
     for metric, help_, key in BROKER_METRICS:
         family(metric, "gauge", help_, [("", broker["totals"][key])])
+    family("qflow_unroutable_messages_total", "counter", "Messages routed to no queue and discarded, "
+           "broker-wide (discardsNoRoute).", [("", broker["totals"]["discardsNoRoute"])])
     for metric, type_, help_, key in RESOURCE_METRICS:
         family(metric, type_, help_, [("", broker[key])])
     labelled = [(f'{{queue="{_label(view["name"])}"}}', view) for view in queues]
     for metric, type_, help_, key in QUEUE_METRICS:
         family(metric, type_, help_, [(labels, view[key]) for labels, view in labelled])
+    by_exchange = [(f'{{exchange="{_label(view["name"])}"}}', view) for view in exchanges]
+    for metric, type_, help_, key in EXCHANGE_METRICS:
+        family(metric, type_, help_, [(labels, view[key]) for labels, view in by_exchange])
     return "\n".join(out) + "\n"

@@ -23,6 +23,7 @@ from qflow import __version__
 from qflow.broker import Broker, BrokerSession
 from qflow.broker.exchange import Exchange
 from qflow.broker.queue import Queue
+from qflow.protocol import spec as P
 
 
 def iso(wall: float) -> str:
@@ -65,7 +66,13 @@ def queue_views(broker: Broker) -> list[dict[str, Any]]:
 
 
 def exchange_view(ex: Exchange) -> dict[str, Any]:
-    return {"name": ex.name, "type": ex.type, "durable": ex.durable, "bindingCount": ex.binding_count}
+    """An exchange with Qpid's statistics: messages (and bytes) received, routed
+    (one per destination queue, as qpidd's msgRoutes) and dropped for want of a
+    route (msgDrops: an unroutable message is completed and discarded)."""
+    return {"name": ex.name, "type": ex.type, "durable": ex.durable, "bindingCount": ex.binding_count,
+            "msgReceives": ex.msg_in, "msgRoutes": ex.msg_in - ex.msg_drop + ex.msg_extra, "msgDrops": ex.msg_drop,
+            "byteReceives": ex.byte_in, "byteRoutes": ex.byte_in - ex.byte_drop + ex.byte_extra,
+            "byteDrops": ex.byte_drop}
 
 
 def exchange_views(broker: Broker) -> list[dict[str, Any]]:
@@ -133,6 +140,26 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
     return out
 
 
+def subscription_views(server: Any) -> list[dict[str, Any]]:
+    """Every subscription (qpid-stat -u): its destination, queue, connection,
+    session, whether it browses, whether its deliveries await an accept,
+    whether its queue is exclusive, its credit and how many it was delivered."""
+    out = []
+    for conn in live_connections(server):
+        for _, ssn in sorted(conn.sessions.items()):
+            if ssn is None:  # attaching
+                continue
+            for name, c in sorted(ssn.consumers.items()):
+                out.append({
+                    "subscription": name, "queue": c.queue.name, "connection": conn.peer, "connectionName": conn.name,
+                    "session": ssn.name, "browse": c.acquire_mode == P.ACQUIRE_NOT_ACQUIRED,
+                    "acked": c.accept_mode == P.ACCEPT_EXPLICIT, "exclusive": c.queue.exclusive,
+                    "creditMode": "unlimited" if c.credit < 0 and c.byte_credit < 0 else "credit",
+                    "credit": c.credit, "byteCredit": c.byte_credit, "delivered": c.delivered,
+                })
+    return out
+
+
 # -- the broker as a whole ------------------------------------------------------------
 
 # The store's statistics when there is none (--no-data-dir).
@@ -168,6 +195,7 @@ def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at
     }
     totals.update({key: sum(view[key] for view in queues) for key in _SUMMED})
     totals["flowStoppedQueues"] = sum(bool(view["flowStopped"]) for view in queues)
+    totals["discardsNoRoute"] = broker.discards_no_route
     # Distinct sessions: one held by two queues counts once, so this is not a sum of heldSessionCount.
     totals["heldSessions"] = len({s for q in broker.queues.values() for s in q.flow.held_sessions})
     return {

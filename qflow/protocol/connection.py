@@ -84,6 +84,8 @@ from qflow.protocol.session_output import SessionOutput
 MAX_SESSIONS = 256  # per connection
 CHANNELS = 65536  # channel numbers run 0 .. CHANNELS - 1
 MECHANISMS = (sasl.ANONYMOUS, *sasl.AUTH_MECHANISMS)  # offered without authentication (--auth no)
+WRONG_PORT_HINT = ("this is an HTTP server (qflowd's management port?), not qflowd's messaging port: "
+                   "give the broker's address, port 5672 by default")
 
 
 class Role(enum.Enum):
@@ -228,15 +230,22 @@ class ProtocolConnection:
     def __init__(self, role: Role, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, name: str = "",
                  heartbeat: float = 0, now: float = 0.0, users: sasl.Users | None = None,
                  secret: bytes = b"", username: str | None = None, password: str = "",
-                 mechanism: str | None = None) -> None:
+                 mechanism: str | None = None, announce: dict[str, Any] | None = None) -> None:
         """A server (``max_frame_size``: its own limit; ``users``: check
         credentials against them, None: authentication off; ``secret``: for
         the decoys of unknown users) waits for the client. A client
         (``name``, ``heartbeat`` and ``max_frame_size``: what it asks for;
         ``username`` and ``password``, with SCRAM-SHA-256 unless
         ``mechanism`` says PLAIN; no username: ANONYMOUS) writes its header
-        and ``connection.open`` at once."""
+        and ``connection.open`` at once.
+
+        ``announce`` (server): extra properties of ``connection.open-ok``, read
+        when the open is answered (so the glue may fill it in later), such as
+        ``management_port``: how the tools find the management API from the
+        broker's one address."""
         self.role = role
+        self.announce = announce if announce is not None else {}
+        self.peer_properties: dict[str, Any] = {}  # a client: the broker's open-ok options
         self.users = users
         self.secret = secret
         self.user = ""  # who the connection is authenticated as, once open
@@ -291,6 +300,10 @@ class ProtocolConnection:
         if not data:
             self.connection_lost()
             raise ConnectionEnd(P.CONNECTION_FORCED, _EOF_TEXT[self.role], by_peer=True)
+        if self.state is State.OPENING and data.startswith(b"HTTP/"):
+            # The commonest mistake of all: the management port given for the messaging one.
+            self.connection_lost()
+            raise ConnectionEnd(P.CONNECTION_FORCED, WRONG_PORT_HINT)
         self._heard_at = now
         self.decoder.feed(data)
 
@@ -409,7 +422,8 @@ class ProtocolConnection:
         self.max_frame_size = max_frame_size
         self.deliver_runs = deliver_runs
         self.decoder.set_max_frame_size(max_frame_size)
-        opts = {"heartbeat": heartbeat, "max_frame_size": max_frame_size, "broker": "qflow", "user": user}
+        opts = {**self.announce, "heartbeat": heartbeat, "max_frame_size": max_frame_size, "broker": "qflow",
+                "user": user}
         if server_final is not None:
             opts["sasl"] = server_final
         self.encoder.write([P.OPEN_OK, opts])
@@ -440,6 +454,7 @@ class ProtocolConnection:
         # few dozen bytes longer than the largest transfer the broker takes.
         self.max_frame_size = max_frame
         self.peer_name = name
+        self.peer_properties = opts
         return self._opened(heartbeat, name)
 
     def _client_challenge(self, frame: list[Any]) -> None:

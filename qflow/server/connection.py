@@ -13,6 +13,7 @@ a ``connection.close`` naming the fault; other connections carry on.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import trio
 
@@ -37,13 +38,13 @@ class Connection:
     ``name``, ``user``, ``peer``, ``connected_at`` and ``sessions``."""
 
     def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
-                 users: Users | None = None, secret: bytes = b"") -> None:
+                 users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None) -> None:
         self.broker = broker
         self.stream = stream
         self.peer = peer
         self.connected_at = trio.current_time()
         self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened, users,
-                                   secret)
+                                   secret, announce)
         self.protocol = self.pump.protocol
         self.encoder = self.pump.encoder
         self.sessions: dict[int, BrokerSession] = self.pump.sessions
@@ -65,6 +66,7 @@ class Connection:
         self._wake.set()
 
     def _opened(self, event: Opened) -> None:
+        log.info("connection %s opened: name '%s', user '%s'", self.peer, printable(event.name), printable(event.user))
         if event.heartbeat:
             self._nursery.start_soon(self._send_heartbeats)
 
@@ -85,15 +87,17 @@ class Connection:
                     log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
                                 printable(exc.user), exc.detail)
                 except ConnectionEnd as exc:
-                    log.info("connection %s closed: %s", self.peer, printable(exc.text))
+                    self._log_closed(printable(exc.text))
                 except FramingError as exc:
-                    log.info("connection %s closed: %s", self.peer, printable(exc))
+                    self._log_closed(printable(exc))
                     protocol.malformed(exc)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     protocol.connection_lost()  # the peer is gone
+                    self._log_closed("connection lost")
                 except trio.Cancelled:
                     if not self._torn:  # not the writer's doing: the broker is stopping
                         protocol.close(P.CONNECTION_FORCED, "broker shutting down")
+                    self._log_closed("broker shutting down" if not self._torn else "connection lost")
                     raise
                 except Exception:  # a broker bug: this connection ends, the broker carries on
                     log.exception("connection %s: internal error", self.peer)
@@ -130,6 +134,11 @@ class Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(self.stream)
+
+    def _log_closed(self, reason: str) -> None:
+        # Before the open there is no name or user yet: the address says who it was.
+        log.info("connection %s closed: name '%s', user '%s': %s", self.peer, printable(self.protocol.name),
+                 printable(self.protocol.user or "-"), reason)
 
     async def _send_pending(self) -> None:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 import ssl
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import trio
 
+from qflow import __version__
 from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
 from qflow.broker.acl import Acl, AclError, parse
@@ -248,12 +250,20 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                                     guard=RequestGuard(args.mgmt_allowed_hosts))
             mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
             api.options["mgmtPort"] = mgmt_port
+            # The tools take the broker's one address (as Qpid's do) and learn the management port from the
+            # connection.open-ok. A wildcard host is the client's to fill in: it knows which address reached us.
+            server.announce["management_port"] = mgmt_port
             # Long-lived start-up objects need no more cyclic-GC scans.
             gc.collect()
             gc.freeze()
+            log.info("qflowd %s started (pid %d): port %d, management port %d%s, data directory %s", __version__,
+                     os.getpid(), port, mgmt_port, f", TLS port {ssl_port}" if ssl_port is not None else "",
+                     data_dir or "none")
             ready += f" mgmt-port={mgmt_port}" + (f" ssl-port={ssl_port}" if ssl_port is not None else "")
             print(ready, flush=True)
-            async for _ in signals:
+            async for signum in signals:
+                log.info("qflowd stopping on %s: closing %d connections", signal.Signals(signum).name,
+                         len(server.connections))
                 # Shutting down closes every session, which deletes exclusive and auto-delete queues: those
                 # deletions are nobody's request, so they are not recorded, and a clean stop recovers what a
                 # crash would.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from typing import Any
 
 import trio
 
@@ -27,6 +28,8 @@ class Server:
         self.users = users
         self.secret = os.urandom(32)  # unknown users' decoy verifiers: fixed per name while the broker runs
         self.connections: set[Connection] = set()
+        # What every connection.open-ok tells the client beyond the handshake (the management port).
+        self.announce: dict[str, Any] = {}
         self.started_at = 0.0
 
     async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
@@ -51,7 +54,7 @@ class Server:
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
-        conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret)
+        conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent

@@ -48,12 +48,12 @@ class ConnectionPump:
 
     def __init__(self, broker: Broker, max_frame_size: int, now: float,
                  wake: Callable[[], None] = _nothing, on_opened: Callable[[Opened], None] = _nothing,
-                 users: Users | None = None, secret: bytes = b"") -> None:
+                 users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None) -> None:
         """``users``: authenticate clients against them (None: authentication
         off); ``secret``: the broker's, for unknown users' decoy verifiers."""
         self.broker = broker
         self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=now, users=users,
-                                           secret=secret)
+                                           secret=secret, announce=announce)
         self.decoder = self.protocol.decoder
         self.encoder = self.protocol.encoder
         self.sessions: dict[int, BrokerSession] = self.protocol.sessions
