@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 
 HOST ?= 127.0.0.1
 PORT ?= 5672
+MGMT_PORT ?= 8672
 
 .PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store clean
 
@@ -29,7 +30,7 @@ $(CHROMIUM):
 install: $(STAMP) | $(CHROMIUM)
 
 run: $(STAMP)
-	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT)
+	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT) --mgmt-port $(MGMT_PORT)
 
 # The benchmarks' smoke run first (so they never rot), then the whole suite once
 # per accounting implementation; pytest's summary is the last line.

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.client
 import json
+import os
 import re
 import socket
 import sys
@@ -18,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-DEFAULT_MGMT = "localhost:8672"
+DEFAULT_MGMT_PORT = 8672
 DEFAULT_BROKER = "localhost:5672"
 
 
@@ -40,13 +42,32 @@ class BrokerUrl(NamedTuple):
         return {} if self.username is None else {"username": self.username, "password": self.password}
 
 
-def parse_url(text: str, default_port: int) -> BrokerUrl:
-    """Qpid's broker URL: ``[amqp://][USER/PASSWORD@]HOST[:PORT]`` (see
-    :func:`parse_address` for the host forms). The password may hold '/' or
-    '@'; the user name neither."""
-    text = re.sub(r"^[a-z][a-z0-9+.-]*://", "", text.strip())
-    userinfo, at, _ = text.rpartition("@")
-    host, port = parse_address(text, default_port)
+# Schemes a broker address may carry: the plain protocol only (the tools do not speak TLS yet).
+_PLAIN_SCHEMES = ("amqp", "tcp", "qflow")
+_TLS_SCHEMES = ("amqps", "ssl", "tls", "qflows")
+
+
+def parse_url(text: str, default_port: int = 5672) -> BrokerUrl:
+    """The one parser of broker addresses, for every tool: Qpid's
+    ``[amqp://][USER/PASSWORD@]HOST[:PORT]`` (see :func:`parse_address` for
+    the host forms). The password may hold '/' or '@'; the user name
+    neither. Nothing is silently dropped: a TLS scheme (``amqps://``) is
+    refused, since the tools connect without TLS, and so is any other scheme
+    (``http://`` is the management API's: ``--mgmt-url``)."""
+    text = text.strip()
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(?:://|:tcp:|:ssl:)", text)
+    if m:
+        scheme = m.group(1).lower()
+        if scheme in _TLS_SCHEMES or text[m.end(1):].lower().startswith(":ssl:"):
+            raise argparse.ArgumentTypeError(f"bad broker address {text!r}: TLS ({scheme}) is not supported by the "
+                                             "tools yet; use HOST:PORT (the broker's plain port)")
+        if scheme not in _PLAIN_SCHEMES:
+            hint = "; the management API's URL goes in --mgmt-url" if scheme.startswith("http") else ""
+            raise argparse.ArgumentTypeError(f"bad broker address {text!r}: scheme {scheme!r} is not a broker's "
+                                             f"(expected [amqp://][USER/PASSWORD@]HOST[:PORT]){hint}")
+        text = text[m.end():]
+    userinfo, at, hostport = text.rpartition("@")
+    host, port = parse_address(hostport, default_port)
     if not at:
         return BrokerUrl(host, port)
     user, slash, password = userinfo.partition("/")
@@ -57,12 +78,9 @@ def parse_url(text: str, default_port: int) -> BrokerUrl:
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
-    """``HOST:PORT``, ``HOST``, ``:PORT`` or ``[IPV6]:PORT``; a Qpid-style
-    ``user/password@`` prefix or a URL scheme is skipped (:func:`parse_url` reads them)."""
-    text = text.strip()
-    text = re.sub(r"^[a-z][a-z0-9+.-]*://", "", text)
-    text = text.rsplit("@", 1)[-1].rstrip("/")
-    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?|([^:\[\]]*)(?::(\d+))?", text)
+    """``HOST:PORT``, ``HOST``, ``:PORT`` or ``[IPV6]:PORT`` (no scheme, no credentials)."""
+    text = text.strip().rstrip("/")
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?|([^:\[\]/@]*)(?::(\d+))?", text)
     if not m:
         raise argparse.ArgumentTypeError(f"bad broker address {text!r}: expected HOST:PORT")
     host = m.group(1) or m.group(3) or "localhost"
@@ -73,13 +91,93 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
     return host, port
 
 
-def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int) -> BrokerUrl:
+def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int = 5672) -> BrokerUrl:
     """``parse_url``, or the usage error (exit 2) that names the bad address."""
     try:
         return parse_url(text, default_port)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
         raise  # parser.error exits; this keeps type checkers content
+
+
+def mgmt_address(parser: argparse.ArgumentParser, text: str) -> tuple[str, int]:
+    """``--mgmt-url``: ``[http://]HOST:PORT`` of the management API."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text.strip())
+    rest = text.strip()
+    if m:
+        if m.group(1).lower() != "http":
+            parser.error(f"bad --mgmt-url {text!r}: only http:// is served (qflowd's management API has no TLS)")
+        rest = rest[m.end():]
+    try:
+        return parse_address(rest, DEFAULT_MGMT_PORT)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"bad --mgmt-url: {exc}")
+        raise
+
+
+def discover_management(url: BrokerUrl, timeout: float, name: str) -> tuple[str, int]:
+    """Ask the broker at ``url`` (its messaging port) for its management
+    address: qflowd announces ``management_port`` in ``connection.open-ok``,
+    and the management API listens on the same host. A blocking handshake
+    through the protocol's own sans-I/O state machine, closed at once."""
+    from qflow.protocol import spec as P
+    from qflow.protocol.connection import ConnectionEnd, Opened, ProtocolConnection, Role
+    from qflow.protocol.framing import FramingError
+
+    address = f"{url.host}:{url.port}"
+    protocol = ProtocolConnection(Role.CLIENT, name=name, username=url.username, password=url.password or "")
+    try:
+        sock = socket.create_connection((url.host, url.port), timeout=timeout)
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, socket.timeout) else exc.strerror or str(exc)
+        raise ToolError(f"cannot reach the broker at {address}: {reason}") from None
+    with sock:
+        try:
+            sock.sendall(protocol.encoder.take())
+            while True:
+                out = protocol.encoder.take()  # a SASL response, when the broker authenticates
+                if out:
+                    sock.sendall(out)
+                protocol.receive_data(sock.recv(65536), 0.0)
+                for frame in protocol.decoder.frames():
+                    if isinstance(protocol.receive_control(frame), Opened):
+                        port = protocol.peer_properties.get("management_port")
+                        protocol.close(P.NORMAL, "management address learnt")
+                        protocol.write_close()
+                        sock.sendall(protocol.encoder.take())
+                        if type(port) is not int or not 0 < port < 65536:
+                            raise ToolError(f"the broker at {address} did not announce its management port; "
+                                            "give it with --mgmt-url HOST:PORT")
+                        return url.host, port
+        except ConnectionEnd as exc:
+            raise ToolError(f"the broker at {address} refused the connection: {exc.text}") from None
+        except FramingError as exc:
+            raise ToolError(f"{address} does not speak qflow's protocol ({exc}); -b takes the broker's "
+                            "messaging address (port 5672 by default)") from None
+        except OSError as exc:
+            reason = "timed out" if isinstance(exc, socket.timeout) else exc.strerror or str(exc)
+            raise ToolError(f"cannot reach the broker at {address}: {reason}") from None
+
+
+def add_address_options(p: argparse.ArgumentParser) -> None:
+    """-b and --mgmt-url, the same on every management tool."""
+    p.add_argument("-b", "--broker", "-a", "--broker-addr", dest="broker", default=DEFAULT_BROKER,
+                   metavar="[USER/PASS@]HOST[:PORT]",
+                   help=f"the broker's address, the same as qflow-send's (default {DEFAULT_BROKER}), with the "
+                        "credentials of a user when it runs --auth yes; the management API is found from it")
+    p.add_argument("--mgmt-url", metavar="[http://]HOST:PORT",
+                   help="the management API's address, if it cannot be found from -b (qflowd --mgmt-port)")
+
+
+def open_management(parser: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> Management:
+    """The management client of ``args``: --mgmt-url, else the address the broker at -b announces.
+    Raises ToolError when the broker cannot be asked."""
+    url = broker_address(parser, args.broker)  # its credentials go to the management API too (HTTP Basic)
+    if args.mgmt_url:
+        host, port = mgmt_address(parser, args.mgmt_url)
+    else:
+        host, port = discover_management(url, args.timeout, f"{prog}[{os.getpid()}]")
+    return Management(host, port, args.timeout, url.username, url.password)
 
 
 def non_negative(text: str) -> int:
@@ -106,6 +204,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not 0 < value < 1e9:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """A number of seconds, where 0 means "no limit", as in Qpid's tools."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or more, got {text}")
     return value
 
 
@@ -158,6 +267,14 @@ class Management:
                 self._conn.close()
                 if attempt == 2:
                     raise ToolError(f"management connection to {self.address} closed unexpectedly") from None
+            except http.client.BadStatusLine as exc:
+                self._conn.close()
+                if "QFLOW" in str(exc):
+                    raise ToolError(f"{self.address} is qflowd's messaging port, not its management API: "
+                                    "--mgmt-url takes the management port (8672 by default), or leave it "
+                                    "out and give the broker's address with -b") from None
+                raise ToolError(f"{self.address} does not answer as qflowd's management API ({exc!r:.60})") \
+                    from None
             except (OSError, http.client.HTTPException) as exc:
                 self._conn.close()
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
@@ -245,9 +362,72 @@ PROGRESS_MIN = 1000  # messages: shorter runs end before a bar would tell anythi
 
 
 def progress_bar(total: int | None, description: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr when ``enabled`` (and a terminal is watching), else a no-op."""
+    """A tqdm bar on stderr when ``enabled`` (and a terminal is watching), else a no-op.
+    Use it with :func:`bar_logging`, so a log line is printed above it, never over it."""
     if not enabled or not interactive():
         return _NoBar()
     from tqdm import tqdm  # imported only when shown: keeps the tools' start-up quick
 
     return tqdm(total=total, desc=description, unit="msg", unit_scale=True, leave=False, file=sys.stderr)
+
+
+def bar_logging(bar: Any) -> Any:
+    """A context in which log records (the client's flow-control warnings) are
+    written above ``bar`` by tqdm instead of across it."""
+    if isinstance(bar, _NoBar):
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
+
+
+def held_text(held_by: dict[str, float], now: float) -> str:
+    """"held 12s by orders": the longest flow-control hold of a session (``held_by``: queue -> since)."""
+    if not held_by:
+        return ""
+    queue, since = min(held_by.items(), key=lambda item: item[1])
+    more = f" (+{len(held_by) - 1})" if len(held_by) > 1 else ""
+    return f"held {duration(max(0.0, now - since))} by {queue}{more}"
+
+
+def single_error(group: BaseExceptionGroup) -> BaseException:
+    """The one exception a nursery's group carries (the group itself if it carries several)."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+async def show_held(bar: Any, held_by: dict[str, float], interval: float = 0.5) -> None:
+    """Keep ``bar``'s postfix saying how long flow control has held the sender
+    (a held sender's count does not move, so the bar itself would look stuck)."""
+    import trio
+
+    if isinstance(bar, _NoBar):
+        return
+    shown = ""
+    while True:
+        text = held_text(held_by, trio.current_time())
+        if text != shown:
+            bar.set_postfix_str(text)
+            shown = text
+        elif text:
+            bar.refresh()
+        await trio.sleep(interval)
+
+
+def add_tool_options(p: argparse.ArgumentParser) -> None:
+    """What every tool has: --version, and --print-completion SHELL (shtab) to
+    write its shell completion script: ``qflow-stat --print-completion bash >
+    ~/.local/share/bash-completion/completions/qflow-stat``."""
+    import shtab
+
+    from qflow import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s (qflow) {__version__}")
+    shtab.add_argument_to(p, "--print-completion", help="print a shell completion script (bash, zsh or tcsh)")
+
+
+def print_json(value: Any) -> None:
+    """--json: the management API's answer as it is, indented, for scripts (jq)."""
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")

@@ -1,7 +1,7 @@
 """qflow-config: declare, list, modify and delete queues, exchanges and
 bindings through qflowd's management API, as qpid-config does for qpidd.
 
-    qflow-config [-b HOST:PORT]                          broker summary
+    qflow-config [-b HOST:PORT] [--mgmt-url URL] [--json]  broker summary
     qflow-config queues [-r] [FILTER]                    queues with their flow settings and state
     qflow-config exchanges [-r] [FILTER]
     qflow-config add queue NAME [--durable] [--max-queue-size N] [--max-queue-count N]
@@ -15,7 +15,10 @@ bindings through qflowd's management API, as qpid-config does for qpidd.
     qflow-config bind EXCHANGE QUEUE [KEY]
     qflow-config unbind EXCHANGE QUEUE [KEY]
     qflow-config reload-acl                              read qflowd's --acl-file again
+    qflow-config log-level [LEVEL]                       show, or change at run time, qflowd's log level
 
+-b is the broker's address, as for qflow-send (default localhost:5672): the
+management API's port is learnt from the broker, or given with --mgmt-url.
 As with qpid-config, options may come before or after the command, success is
 silent, a refusal prints ``Failed: <the broker's message>`` on stderr and exits
 1, and a usage error exits 2.
@@ -24,18 +27,24 @@ silent, a refusal prints ``Failed: <the broker's message>`` on stderr and exits
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import re
 import sys
 from typing import Any
 
 from ._common import (
-    DEFAULT_MGMT,
     Management,
     ToolError,
+    add_address_options,
+    add_tool_options,
     broker_address,
+    mgmt_address,
     name_path,
     non_negative,
+    open_management,
     positive_float,
+    print_json,
     table,
 )
 
@@ -61,20 +70,21 @@ USAGE = """qflow-config [OPTIONS]
        qflow-config [OPTIONS] del exchange NAME
        qflow-config [OPTIONS] bind EXCHANGE QUEUE [KEY]
        qflow-config [OPTIONS] unbind EXCHANGE QUEUE [KEY]
-       qflow-config [OPTIONS] reload-acl"""
+       qflow-config [OPTIONS] reload-acl
+       qflow-config [OPTIONS] log-level [debug|info|warning|error]"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qflow-config", usage=USAGE,
                                 description="Configure a qflow broker's queues, exchanges and bindings.")
     p.add_argument("command", nargs="*", help=argparse.SUPPRESS)
-    p.add_argument("-b", "--broker", "-a", "--broker-addr", dest="broker", default=DEFAULT_MGMT,
-                   metavar="[USER/PASS@]HOST:PORT",
-                   help=f"the broker's management address, with the credentials of a user when it runs --auth yes "
-                        f"(default {DEFAULT_MGMT})")
+    add_address_options(p)
     p.add_argument("-t", "--timeout", type=positive_float, default=10.0, metavar="SECS",
                    help="seconds to wait for the broker (default 10)")
     p.add_argument("-r", "--recursive", action="store_true", help="queues/exchanges: show bindings")
+    p.add_argument("--json", action="store_true",
+                   help="print the management API's JSON (the summary, queues, exchanges, or what a change made)")
+    add_tool_options(p)
     q = p.add_argument_group("queue options (add queue, modify queue)")
     q.add_argument("--durable", action="store_true", help="the queue (or exchange) is durable")
     q.add_argument("--max-queue-size", type=non_negative, metavar="N", help="maximum bytes (qpid.max_size)")
@@ -175,6 +185,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, api: Manageme
         else:
             parser.error(f"usage: qflow-config {cmd} queue NAME")
         return None
+    if cmd == "log-level":
+        _need(parser, rest, 0, 1, "log-level [debug|info|warning|error]")
+        if rest:
+            api.request("PUT", "/api/broker/log-level", {"level": rest[0]})
+        else:
+            print(api.get("/api/broker/log-level")["level"])
+        return None
     if cmd in ("bind", "unbind"):
         _need(parser, rest, 2, 3, f"{cmd} EXCHANGE QUEUE [KEY]")
         body = {"exchange": rest[0], "queue": rest[1], "key": rest[2] if len(rest) > 2 else ""}
@@ -250,20 +267,49 @@ def list_exchanges(api: Management, text: str, recursive: bool) -> None:
     print(table(("Type", "Exchange Name", "Bindings", "Attributes"), rows))
 
 
+class _Recording:
+    """--json: the tables are not printed; the last answer of the management API is, as it came."""
+
+    def __init__(self, api: Management) -> None:
+        self._api = api
+        self.address = api.address
+        self.last: Any = None
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        self.last = self._api.request(method, path, body)
+        return self.last
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def close(self) -> None:
+        self._api.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    url = broker_address(parser, args.broker, 8672)
-    api = Management(url.host, url.port, args.timeout, url.username, url.password)
+    broker_address(parser, args.broker)  # usage errors before anything is sent
+    if args.mgmt_url:
+        mgmt_address(parser, args.mgmt_url)
+    api = None
     try:
-        run(args, parser, api)
+        api = open_management(parser, args, "qflow-config")
+        if args.json:
+            api = _Recording(api)
+            with contextlib.redirect_stdout(io.StringIO()):  # the tables: the JSON replaces them
+                run(args, parser, api)
+            print_json(api.last)
+        else:
+            run(args, parser, api)
     except ToolError as exc:
         sys.stderr.write(f"Failed: {exc}\n")
         return 1
     except KeyboardInterrupt:
         return 130
     finally:
-        api.close()
+        if api is not None:
+            api.close()
     return 0
 
 

@@ -30,12 +30,16 @@ from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
     BrokerUrl,
+    add_tool_options,
+    bar_logging,
     broker_address,
     fail,
     non_negative,
-    positive,
     positive_float,
     progress_bar,
+    seconds_or_zero,
+    show_held,
+    single_error,
     yes_no,
 )
 
@@ -53,17 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     content.add_argument("--content-string", metavar="S", help="the body of every message")
     content.add_argument("--content-size", type=non_negative, metavar="N", help="bodies of N bytes ('X' each)")
     content.add_argument("--content-stdin", action="store_true", help="one message per line of standard input")
-    p.add_argument("--capacity", type=positive, default=1000, metavar="N",
-                   help="transfers that may be incomplete at once: the sender window (default 1000)")
+    p.add_argument("--capacity", type=non_negative, default=1000, metavar="N",
+                   help="transfers that may be incomplete at once: the sender window (default 1000); "
+                        "0: each send waits for the previous one to complete")
     p.add_argument("--durable", type=yes_no, nargs="?", const=True, default=False, metavar="yes|no",
                    help="mark messages persistent: kept across a restart on a durable queue, and each "
                         "transfer completes only once it is on disk (default no)")
-    p.add_argument("--send-rate", type=positive_float, metavar="N", help="send at most N messages a second")
+    p.add_argument("--send-rate", type=seconds_or_zero, default=0, metavar="N",
+                   help="send at most N messages a second (default 0: no limit)")
     p.add_argument("--flow-timeout", type=positive_float, metavar="SECS",
                    help="give up (exit 1) after waiting SECS for broker flow control (default: wait)")
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
     p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
                    help="the connection's name, shown by qflow-stat -c")
+    add_tool_options(p)
     return p
 
 
@@ -94,19 +101,27 @@ async def send(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, floa
             await ssn.declare_exchange(exchange, passive=True)
         else:
             await ssn.query_queue(args.address)
-        sender = ssn.sender(args.address, capacity=args.capacity, rate=args.send_rate,
+        # Qpid's 0s: capacity 0 is a synchronous sender (one transfer in flight), rate 0 no limit.
+        sender = ssn.sender(args.address, capacity=args.capacity or 1, rate=args.send_rate or None,
                             flow_timeout=args.flow_timeout, durable=args.durable)
         total = None if args.content_stdin else (1 if args.messages is None else args.messages)
         bar = progress_bar(total, PROG, total is None or total >= PROGRESS_MIN)
         started = trio.current_time()
         sent = nbytes = 0
         try:
-            for body in bodies(args):
-                await sender.send(body)
-                sent += 1
-                nbytes += len(body)
-                bar.update()
-            await sender.sync()  # "exits 0 only after every transfer is complete"
+            with bar_logging(bar):
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(show_held, bar, ssn.held_by)
+                        for body in bodies(args):
+                            await sender.send(body)
+                            sent += 1
+                            nbytes += len(body)
+                            bar.update()
+                        await sender.sync()  # "exits 0 only after every transfer is complete"
+                        nursery.cancel_scope.cancel()
+                except BaseExceptionGroup as group:  # the refusal itself, as main() reports it
+                    raise single_error(group) from None
         finally:
             bar.close()
         return sent, nbytes, trio.current_time() - started
@@ -128,10 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, f"cannot connect to {url.host}:{url.port}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         return 130
-    if args.report_total:
-        rate = sent / seconds if seconds > 0 else 0.0
-        print("msgs\tbytes\tsecs\ttp(m/s)")
-        print(f"{sent}\t{nbytes}\t{seconds:.3f}\t{rate:.0f}")
+    if args.report_total:  # qpid-send's columns: the throughput of the whole run
+        print("tp(m/s)")
+        print(f"{sent / seconds if seconds > 0 else 0.0:.0f}")
     return 0
 
 

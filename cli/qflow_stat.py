@@ -1,26 +1,37 @@
 """qflow-stat: a qflow broker's statistics, as qpid-stat shows qpidd's.
 
-    qflow-stat [-b HOST:PORT] -g          broker summary (the default), the store's size and quota state
-    qflow-stat [-b HOST:PORT] -q          queues: depth, bytes, flow state, times stopped, held transfers
+    qflow-stat [-b HOST:PORT] -g          broker summary (the default), unroutable messages, the store's quota state
+    qflow-stat [-b HOST:PORT] -q [NAME]   queues: depth, bytes, flow state, times stopped, held transfers;
+                                          with NAME, every statistic of that queue
+    qflow-stat [-b HOST:PORT] -e          exchanges: messages in, routed out, dropped unroutable
+    qflow-stat [-b HOST:PORT] -u          subscriptions
     qflow-stat [-b HOST:PORT] -c          connections, their sessions and what holds them
     qflow-stat ... --watch SECS           refresh every SECS seconds until interrupted
+    qflow-stat ... --json                 the management API's JSON instead of a table
 
-Reads qflowd's management API; exit 1 with the reason if it cannot.
+-b is the broker's address, as for qflow-send: the management API's port is
+learnt from the broker (or given with --mgmt-url). Reads qflowd's management
+API; exit 1 with the reason if it cannot.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
 
 from ._common import (
-    DEFAULT_MGMT,
     Management,
     ToolError,
+    add_address_options,
+    add_tool_options,
     broker_address,
     duration,
+    mgmt_address,
+    name_path,
+    open_management,
     positive_float,
     table,
 )
@@ -28,21 +39,25 @@ from ._common import (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qflow-stat", description="Show a qflow broker's statistics.")
-    p.add_argument("-b", "--broker", "-a", "--broker-addr", dest="broker", default=DEFAULT_MGMT,
-                   metavar="[USER/PASS@]HOST:PORT",
-                   help=f"the broker's management address, with the credentials of a user when it runs --auth yes "
-                        f"(default {DEFAULT_MGMT})")
+    add_address_options(p)
     view = p.add_mutually_exclusive_group()
     view.add_argument("-g", "--general", dest="view", action="store_const", const="general",
                       help="broker summary (default)")
-    view.add_argument("-q", "--queues", dest="view", action="store_const", const="queues", help="queues")
+    view.add_argument("-q", "--queues", dest="queue", nargs="?", const="", default=None, metavar="NAME",
+                      help="queues; with NAME, every statistic of that queue")
+    view.add_argument("-e", "--exchanges", dest="view", action="store_const", const="exchanges",
+                      help="exchanges: messages in, routed out and dropped unroutable")
+    view.add_argument("-u", "--subscriptions", dest="view", action="store_const", const="subscriptions",
+                      help="subscriptions (consumers)")
     view.add_argument("-c", "--connections", dest="view", action="store_const", const="connections",
                       help="connections and their held sessions")
     p.add_argument("-S", "--sort-by", metavar="COLUMN", help="sort the rows by this column (descending for numbers)")
     p.add_argument("-L", "--limit", type=int, default=0, metavar="N", help="show at most N rows")
     p.add_argument("--watch", type=positive_float, metavar="SECS", help="refresh every SECS seconds")
+    p.add_argument("--json", action="store_true", help="print the management API's JSON instead of a table")
     p.add_argument("-t", "--timeout", type=positive_float, default=10.0, metavar="SECS",
                    help="seconds to wait for the broker (default 10)")
+    add_tool_options(p)
     return p
 
 
@@ -61,6 +76,10 @@ QUEUE_HEADERS = ("queue", "dur", "autoDel", "excl", "msg", "msgIn", "msgOut", "b
 
 
 def queues_view(api: Management, args: argparse.Namespace) -> str:
+    if args.queue:
+        return queue_detail(api, args)
+    if args.json:
+        return dump(api.get("/api/queues"))
     rows = [(q["name"], q["durable"], q["autoDelete"], q["exclusive"], q["msgDepth"], q["msgTotalEnqueues"],
              q["msgTotalDequeues"], q["byteDepth"], q["byteTotalEnqueues"], q["byteTotalDequeues"],
              q["consumerCount"], q["bindingCount"], q["flowStopped"], q["flowStoppedCount"], q["heldTransfers"])
@@ -72,7 +91,50 @@ CONNECTION_HEADERS = ("connection", "name", "user", "connected", "session", "cap
                       "heldBy")
 
 
+def queue_detail(api: Management, args: argparse.Namespace) -> str:
+    """-q NAME: every statistic of one queue, one per line."""
+    q = api.get(name_path("/api/queues", args.queue))
+    if args.json:
+        return dump(q)
+    width = max(len(k) for k in q)
+    lines = [f"  {k.ljust(width)}  {_cell_text(v)}" for k, v in q.items() if k != "name"]
+    return f"Properties of queue '{_cell_text(q['name'])}'\n" + "\n".join(lines)
+
+
+def _cell_text(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, dict | list | bool) or value is None else str(value)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+EXCHANGE_HEADERS = ("exchange", "type", "dur", "bind", "msgIn", "msgOut", "msgDrop", "byteIn", "byteOut",
+                    "byteDrop")
+
+
+def exchanges_view(api: Management, args: argparse.Namespace) -> str:
+    exchanges = api.get("/api/exchanges")
+    if args.json:
+        return dump(exchanges)
+    rows = [(e["name"] or "<default>", e["type"], e["durable"], e["bindingCount"], e["msgReceives"], e["msgRoutes"],
+             e["msgDrops"], e["byteReceives"], e["byteRoutes"], e["byteDrops"]) for e in exchanges]
+    return "Exchanges\n" + table(EXCHANGE_HEADERS, _sorted(EXCHANGE_HEADERS, rows, args))
+
+
+SUBSCRIPTION_HEADERS = ("subscr", "queue", "conn", "connName", "session", "browse", "acked", "excl", "creditMode",
+                        "delivered")
+
+
+def subscriptions_view(api: Management, args: argparse.Namespace) -> str:
+    subs = api.get("/api/subscriptions")
+    if args.json:
+        return dump(subs)
+    rows = [(s["subscription"], s["queue"], s["connection"], s["connectionName"], s["session"], s["browse"],
+             s["acked"], s["exclusive"], s["creditMode"], s["delivered"]) for s in subs]
+    return "Subscriptions\n" + table(SUBSCRIPTION_HEADERS, _sorted(SUBSCRIPTION_HEADERS, rows, args))
+
+
 def connections_view(api: Management, args: argparse.Namespace) -> str:
+    if args.json:
+        return dump(api.get("/api/connections"))
     rows = []
     for c in api.get("/api/connections"):
         sessions = c["sessions"] or [None]
@@ -89,29 +151,40 @@ def connections_view(api: Management, args: argparse.Namespace) -> str:
 
 def general_view(api: Management, args: argparse.Namespace) -> str:
     info = api.get("/api/broker")
+    if args.json:
+        return dump(info)
     t, o = info["totals"], info["options"]
     rows = [(f"qflowd {info['version']}", duration(info["uptimeSeconds"]), t["connections"], t["sessions"],
              t["exchanges"], t["queues"], t["msgDepth"], t["byteDepth"], t["flowStoppedQueues"], t["heldSessions"],
-             t["heldTransfers"], info["storeSize"], info["storeOverfull"], info["storeOverfullCount"])]
+             t["heldTransfers"], t["discardsNoRoute"], info["storeSize"], info["storeOverfull"],
+             info["storeOverfullCount"])]
     head = ("broker", "uptime", "conn", "sess", "exch", "queue", "msg", "bytes", "flowStopped", "heldSess", "held",
-            "storeSize", "storeOverfull", "overfulls")
+            "unroutable", "storeSize", "storeOverfull", "overfulls")
     quota = f", store quota {o['storeOverfullSize']}/{o['storeUnderfullSize']} bytes" \
         if o.get("storeOverfullSize") else ""
     return (f"Broker Summary ({api.address}, accounting {o['accounting']}, flow defaults "
             f"{o['defaultFlowStopThreshold']}%/{o['defaultFlowResumeThreshold']}%{quota})\n" + table(head, rows))
 
 
-VIEWS = {"general": general_view, "queues": queues_view, "connections": connections_view}
+def dump(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True)
+
+
+VIEWS = {"general": general_view, "queues": queues_view, "exchanges": exchanges_view,
+         "subscriptions": subscriptions_view, "connections": connections_view}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    url = broker_address(parser, args.broker, 8672)
-    view = VIEWS[args.view or "general"]
-    api = Management(url.host, url.port, args.timeout, url.username, url.password)
+    view = VIEWS["queues" if args.queue is not None else args.view or "general"]
+    broker_address(parser, args.broker)  # usage errors before anything is sent
+    if args.mgmt_url:
+        mgmt_address(parser, args.mgmt_url)
     in_place = sys.stdout.isatty()
+    api = None
     try:
+        api = open_management(parser, args, "qflow-stat")
         while True:
             text = view(api, args)
             if args.watch is None:
@@ -132,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0  # the way out of --watch
     finally:
-        api.close()
+        if api is not None:
+            api.close()
 
 
 if __name__ == "__main__":

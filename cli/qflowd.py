@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
+import os
 import socket
 import sys
+from datetime import UTC, datetime
+from typing import Any
 
 import trio
 
@@ -43,7 +47,9 @@ from qflow.store.journal import DEFAULT_SEGMENT_SIZE
 from qflow.store.quota import QuotaError, QuotaLimits
 from qflow.store.sasl_db import SaslDbError
 
-from ._common import yes_no
+from ._common import add_tool_options, yes_no
+
+log = logging.getLogger("qflow")
 
 DEFAULT_DATA_DIR = "~/.qflowd"
 MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE = 4096, 1 << 30
@@ -55,8 +61,95 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+ENV_PREFIX = "QFLOWD_"
+NOT_SETTINGS = ("help", "config", "version", "print_completion")  # options a file or the environment cannot set
+
+
+def _settings(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every long option a file or the environment may set, by its name without dashes."""
+    return {opt[2:]: action for opt, action in p._option_string_actions.items()
+            if opt.startswith("--") and action.dest not in NOT_SETTINGS}
+
+
+def _convert(p: argparse.ArgumentParser, action: argparse.Action, name: str, text: str, where: str) -> Any:
+    """A setting's value from text, as the command line would take it; a bad one is a usage error naming
+    ``where`` it came from."""
+    if action.nargs == 0:  # a flag (--no-data-dir): yes or no
+        low = text.strip().lower()
+        if low in ("yes", "true", "1", "on"):
+            return action.const
+        if low in ("no", "false", "0", "off"):
+            return _UNSET
+        p.error(f"{where}: {name} is a flag: give yes or no, not {text!r}")
+    try:
+        value = action.type(text) if action.type is not None else text
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        p.error(f"{where}: bad value {text!r} for {name}: {exc}")
+    if action.choices is not None and value not in action.choices:
+        p.error(f"{where}: {name} must be one of {', '.join(map(str, action.choices))}, not {text!r}")
+    return value
+
+
+_UNSET = object()
+
+
+def _file_settings(p: argparse.ArgumentParser, path: str) -> list[tuple[str, str, str]]:
+    """(name, value, where) for each ``name=value`` line of a qpidd-style configuration file."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        p.error(f"--config {path}: cannot read it: {getattr(exc, 'strerror', None) or exc}")
+    found = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        name, eq, value = text.partition("=")
+        if not eq:
+            p.error(f"{path}:{number}: expected NAME=VALUE (the long option's name, no dashes), got {text!r}")
+        found.append((name.strip().removeprefix("--"), value.strip(), f"{path}:{number}"))
+    return found
+
+
+def _env_settings(environ: dict[str, str]) -> list[tuple[str, str, str]]:
+    return [(key[len(ENV_PREFIX):].lower().replace("_", "-"), value, key)
+            for key, value in sorted(environ.items())
+            if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG"]
+
+
+def _apply_settings(p: argparse.ArgumentParser, argv: list[str] | None, environ: dict[str, str]) -> None:
+    """The defaults that the file (``--config FILE``, or QFLOWD_CONFIG) and
+    then the QFLOWD_* variables give: the command line parsed afterwards wins
+    over both, the environment over the file (as qpidd's options, its
+    QPID_* variables and its --config file rank)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    path = known.config or environ.get(ENV_PREFIX + "CONFIG")
+    settings = _settings(p)
+    chosen: dict[str, Any] = {}
+    for name, text, where in (_file_settings(p, path) if path else []) + _env_settings(environ):
+        action = settings.get(name)
+        if action is None:
+            p.error(f"{where}: unknown option {name!r}; the names are qflowd's long options: "
+                    f"{', '.join(sorted(settings))}")
+        value = _convert(p, action, name, text, where)
+        if value is not _UNSET:
+            chosen[action.dest] = value
+        elif chosen.get(action.dest, _UNSET) is action.const:
+            del chosen[action.dest]  # "no-data-dir=no" undoes an earlier yes
+    p.set_defaults(**chosen)
+
+
+def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """qflowd's options: the command line, then QFLOWD_* variables (``environ``,
+    os.environ by default), then the ``--config`` file, then the defaults."""
     p = _Parser(prog="qflowd", description="The qflow message broker.")
+    p.add_argument("--config", metavar="FILE",
+                   help="read options from FILE: one NAME=VALUE a line, NAME a long option without its dashes "
+                        "(port=5672); '#' starts a comment. QFLOWD_NAME variables (QFLOWD_PORT=5672) win over "
+                        "the file, and the command line over both")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=5672, help="protocol port; 0 picks a free one (default 5672)")
     p.add_argument("--mgmt-port", type=int, default=None, metavar="PORT",
@@ -71,7 +164,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "repeatable")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe messages logged (default info); `qflow-config log-level L` changes it "
+                        "while qflowd runs")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text lines, or one JSON object a line (time, level, logger, message) for log shippers")
     p.add_argument("--default-flow-stop-threshold", type=int, default=80, metavar="PCT",
                    help="flow stop threshold, percent of a queue's maximum (default 80)")
     p.add_argument("--default-flow-resume-threshold", type=int, default=70, metavar="PCT",
@@ -116,6 +213,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     memory.add_argument("--memory-low-watermark", default=None, metavar="BYTES|FRACTION",
                         help="the alarm clears below this; bytes or a fraction as above (default "
                              f"{DEFAULT_LOW_SHARE:g} of the high watermark)")
+    add_tool_options(p)
+    _apply_settings(p, argv, dict(os.environ) if environ is None else environ)
     args = p.parse_args(argv)
     try:
         args.memory_high = _watermark("--memory-high-watermark", args.memory_high_watermark)
@@ -208,8 +307,10 @@ def _watermark(option: str, text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if args.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     failed: BaseException | None = None
     try:
         trio.run(run, args)
@@ -218,9 +319,23 @@ def main(argv: list[str] | None = None) -> int:
         while isinstance(failed, BaseExceptionGroup):
             failed = failed.exceptions[0]
     if failed is not None:
+        log.error("qflowd stopped: %s", failed)
         sys.stderr.write(f"qflowd: {failed}\n")
         return 1
+    log.info("qflowd stopped (pid %d)", os.getpid())
     return 0
+
+
+class JsonFormatter(logging.Formatter):
+    """--log-format json: one JSON object a line, UTC time with milliseconds."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+                 .replace("+00:00", "Z"), "level": record.levelname.lower(), "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
 
 
 if __name__ == "__main__":
