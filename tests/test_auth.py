@@ -180,7 +180,8 @@ def test_management_api_needs_http_basic_of_a_user(daemon):
 # -- the tools ------------------------------------------------------------------------------
 def test_every_tool_passes_the_credentials_of_its_broker_url(daemon):
     creds = "alice/s3cret/@:x@"
-    mgmt_url, url = f"{creds}127.0.0.1:{daemon.mgmt_port}", f"{creds}127.0.0.1:{daemon.port}"
+    # One address for every tool: the management tools find the management API from the messaging port.
+    mgmt_url = url = f"{creds}127.0.0.1:{daemon.port}"
     ok(run("qflow-config", "-b", mgmt_url, "add", "queue", "tooled"))
     ok(run("qflow-send", "-b", url, "-a", "tooled", "--messages", "2", "--content-string", "hi"))
     assert ok(run("qflow-receive", "-b", url, "-a", "tooled", "--messages", "2", "--timeout", "30")).split() \
@@ -200,8 +201,13 @@ def test_every_tool_passes_the_credentials_of_its_broker_url(daemon):
         finally:
             receiver.terminate()
     # Without credentials, or with wrong ones: a clear refusal, exit 1, no traceback.
-    refused(run("qflow-config", "-b", f"127.0.0.1:{daemon.mgmt_port}", "queues"), 1, "authentication required")
-    refused(run("qflow-stat", "-b", f"alice/bad@127.0.0.1:{daemon.mgmt_port}"), 1, "authentication failed")
+    refused(run("qflow-config", "-b", f"127.0.0.1:{daemon.port}", "queues"), 1, "authentication required")
+    refused(run("qflow-stat", "-b", f"alice/bad@127.0.0.1:{daemon.port}"), 1, "authentication failed")
+    # The management API found another way (--mgmt-url) still wants the credentials, given with -b.
+    refused(run("qflow-config", "--mgmt-url", f"127.0.0.1:{daemon.mgmt_port}", "queues"), 1,
+            "authentication required")
+    assert "tooled" in ok(run("qflow-config", "-b", f"{creds}127.0.0.1:{daemon.port}", "--mgmt-url",
+                              f"127.0.0.1:{daemon.mgmt_port}", "queues"))
     refused(run("qflow-send", "-b", f"alice/bad@127.0.0.1:{daemon.port}", "-a", "tooled"), 1,
             "authentication failed")
     refused(run("qflow-receive", "-b", f"127.0.0.1:{daemon.port}", "-a", "tooled", "--timeout", "1"), 1,

@@ -52,7 +52,7 @@ async def held_by(d: Daemon) -> dict[str, list[str]]:
 async def stat_held(d: Daemon) -> dict[str, bool]:
     """Connection name -> whether qflow-stat -c shows its session held by "hv"."""
     result = await trio.run_process([sys.executable, "-m", "qflow.cli.qflow_stat", "-b",
-                                     f"127.0.0.1:{d.mgmt_port}", "-c"], capture_stdout=True, capture_stderr=True)
+                                     f"127.0.0.1:{d.port}", "-c"], capture_stdout=True, capture_stderr=True)
     rows = result.stdout.decode().splitlines()
     return {name: any(name in row and "hv (" in row for row in rows) for name in ("producer-a", "producer-b")}
 

@@ -242,7 +242,7 @@ def test_the_management_api_and_qflow_config_declare_durably(data_dir: Path) -> 
         assert api(d, "PUT", "/api/queues/api-tmp", {"arguments": {}})[0] == 201
         assert api(d, "PUT", "/api/exchanges/api-x", {"type": "fanout", "durable": True})[0] == 201
         assert api(d, "POST", "/api/bindings", {"exchange": "api-x", "queue": "api-q"})[0] == 201
-        tool = [sys.executable, "-m", "qflow.cli.qflow_config", "-b", f"127.0.0.1:{d.mgmt_port}"]
+        tool = [sys.executable, "-m", "qflow.cli.qflow_config", "-b", f"127.0.0.1:{d.port}"]
         for args in (["add", "queue", "tool-q", "--durable", "--max-queue-count", "300", "--flow-stop-count", "200",
                       "--flow-resume-count", "100"],
                      ["add", "exchange", "topic", "tool-x", "--durable"],

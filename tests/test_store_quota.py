@@ -280,7 +280,7 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
                     metrics(d)["qflow_store_size_bytes"] == journal_bytes(data_dir)
                     == api(d, "GET", "/api/broker")[1]["storeSize"]))
                 stat = await trio.to_thread.run_sync(lambda: subprocess.run(
-                    [sys.executable, "-m", "qflow.cli.qflow_stat", "-b", f"127.0.0.1:{d.mgmt_port}"],
+                    [sys.executable, "-m", "qflow.cli.qflow_stat", "-b", f"127.0.0.1:{d.port}"],
                     capture_output=True, text=True, timeout=TIMEOUT))
                 assert stat.returncode == 0, stat.stderr
                 head, _, row = stat.stdout.splitlines()[1:4]

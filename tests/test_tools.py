@@ -62,7 +62,7 @@ def run_many(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
 
 
 def config(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return run("qflow-config", "-b", f"127.0.0.1:{d.mgmt_port}", *args)
+    return run("qflow-config", "-b", f"127.0.0.1:{d.port}", *args)
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
@@ -115,7 +115,7 @@ def test_qpid_config_round_trip(daemon: Daemon) -> None:
     assert (q["flowStopCount"], q["flowResumeCount"], q["flowStopSize"], q["flowResumeSize"]) == (
         4000, 3000, 1500000, 1000000)
     # Options after the command or before it, as qpid-config allows.
-    ok(run("qflow-config", "add", "exchange", "topic", "events", "-b", f"127.0.0.1:{d.mgmt_port}"))
+    ok(run("qflow-config", "add", "exchange", "topic", "events", "-b", f"127.0.0.1:{d.port}"))
     ok(config(d, "bind", "events", "orders", "order.#"))
     ok(config(d, "modify", "queue", "orders", "--flow-stop-count", "4500", "--flow-resume-count", "4000"))
     assert (queue(d, "orders")["flowStopCount"], queue(d, "orders")["flowResumeCount"]) == (4500, 4000)
@@ -183,7 +183,7 @@ def test_qpid_config_thresholds_resolve_as_qpidd(daemon: Daemon) -> None:
 def test_refusals_have_messages_and_exit_codes(daemon: Daemon) -> None:
     d = daemon
     b = f"127.0.0.1:{d.port}"
-    m = f"127.0.0.1:{d.mgmt_port}"
+    m = f"127.0.0.1:{d.port}"
     ok(config(d, "add", "queue", "full", "--max-queue-count", "3", "--flow-stop-count", "0"))
     # Broker refusals: exit 1, the broker's message on stderr.
     expected = [
@@ -215,7 +215,7 @@ def test_refusals_have_messages_and_exit_codes(daemon: Daemon) -> None:
     usage = [("qflow-config", "-b", m, *args) for args in (
         ["add", "queue"], ["add", "queue", "q", "--limit-policy", "drop"], ["frob"],
         ["add", "queue", "q", "--argument", "x"])]
-    usage += [("qflow-send", "-a", "q", "--capacity", "0"), ("qflow-receive", "-a", "q", "--print-content", "maybe"),
+    usage += [("qflow-send", "-a", "q", "--capacity", "-1"), ("qflow-receive", "-a", "q", "--print-content", "maybe"),
               ("qflow-stat", "-q", "-c")]
     for call, result in zip(usage, run_many(*usage), strict=True):
         assert result.returncode == 2, (call, result.stderr)
@@ -233,7 +233,8 @@ def test_send_and_receive(daemon: Daemon) -> None:
     ok(config(d, "add", "queue", "greetings"))
     sent = ok(run("qflow-send", "-b", b, "-a", "greetings", "--messages", "3", "--content-string", "hello",
                   "--report-total"))
-    assert sent.splitlines()[0] == "msgs\tbytes\tsecs\ttp(m/s)" and sent.splitlines()[1].startswith("3\t15\t")
+    # qpid-send's --report-total: one column, the throughput.
+    assert sent.splitlines()[0] == "tp(m/s)" and sent.splitlines()[1].isdigit()
     ok(run("qflow-send", "-b", b, "-a", "greetings", "--content-stdin", "--durable", stdin="one\ntwo\n"))
     ok(config(d, "bind", "amq.direct", "greetings", "k"))
     ok(run("qflow-send", "-b", b, "-a", "amq.direct/k", "--content-size", "4"))
@@ -245,7 +246,7 @@ def test_send_and_receive(daemon: Daemon) -> None:
     assert queue(d, "greetings")["msgDepth"] == 1
     rest = ok(run("qflow-receive", "-b", b, "-a", "greetings", "--timeout", "1", "--print-content", "no",
                   "--report-total"))
-    assert rest.splitlines()[1].startswith("1\t4\t")
+    assert rest.splitlines()[0] == "tp(m/s)" and rest.splitlines()[1].isdigit()
     empty = run("qflow-receive", "-b", b, "-a", "greetings", "--timeout", "0.5")
     assert ok(empty) == ""
     ok(config(d, "del", "queue", "greetings"))
@@ -284,17 +285,17 @@ def test_three_senders_under_flow_control(daemon: Daemon) -> None:
         assert all(p.poll() is None for p in senders)  # still waiting, not failed
 
         # qflow-stat shows the same picture.
-        stat_q = ok(run("qflow-stat", "-b", f"127.0.0.1:{d.mgmt_port}", "-q"))
+        stat_q = ok(run("qflow-stat", "-b", f"127.0.0.1:{d.port}", "-q"))
         (row,) = [line for line in stat_q.splitlines() if line.startswith("flow ")]
         assert row.split()[-3:] == ["Y", "1", str(q["heldTransfers"])]
-        stat_c = ok(run("qflow-stat", "-b", f"127.0.0.1:{d.mgmt_port}", "-c"))
+        stat_c = ok(run("qflow-stat", "-b", f"127.0.0.1:{d.port}", "-c"))
         assert sum("flow (" in line for line in stat_c.splitlines() if "sender-" in line) == 3
 
         # Drain: the senders complete and exit 0, and the queue ends empty with flow resumed.
         total = per_sender * len(capacities)
         received = ok(run("qflow-receive", "-b", b, "-a", "flow", "--messages", str(total), "--timeout", "30",
                           "--print-content", "no", "--capacity", "100", "--report-total"))
-        assert received.splitlines()[1].startswith(f"{total}\t")
+        assert received.splitlines()[0] == "tp(m/s)" and received.splitlines()[1].isdigit()
         for p in senders:
             out, err = p.communicate(timeout=DEADLINE)
             assert p.returncode == 0, err
@@ -316,7 +317,7 @@ def test_three_senders_under_flow_control(daemon: Daemon) -> None:
 @pytest.mark.native_only
 def test_stat_views_and_watch(daemon: Daemon) -> None:
     d = daemon
-    mgmt = f"127.0.0.1:{d.mgmt_port}"
+    mgmt = f"127.0.0.1:{d.port}"
     ok(config(d, "add", "queue", "watched"))
     general = ok(run("qflow-stat", "-b", mgmt))
     assert "Broker Summary" in general and "qflowd" in general
