@@ -22,8 +22,8 @@ import trio
 from qflow import __version__
 from qflow.management.api import ManagementApi, Response, error_response
 from qflow.management.guard import RequestGuard
-from qflow.protocol.names import printable
 from qflow.protocol.framing import PROTOCOL_HEADER
+from qflow.protocol.names import printable
 
 log = logging.getLogger("qflow.management")
 
