@@ -35,6 +35,7 @@ from typing import Any
 
 import trio
 
+from qflow import __version__
 from qflow.broker.flow import FlowDefaults, SettingsError
 from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JsonFormatter() if args.log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    log.info("qflowd %s starting (pid %d)", __version__, os.getpid())
     failed: BaseException | None = None
     try:
         trio.run(run, args)

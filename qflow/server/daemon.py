@@ -25,7 +25,6 @@ from pathlib import Path
 
 import trio
 
-from qflow import __version__
 from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
 from qflow.broker.acl import Acl, AclError, parse
@@ -256,9 +255,8 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             # Long-lived start-up objects need no more cyclic-GC scans.
             gc.collect()
             gc.freeze()
-            log.info("qflowd %s started (pid %d): port %d, management port %d%s, data directory %s", __version__,
-                     os.getpid(), port, mgmt_port, f", TLS port {ssl_port}" if ssl_port is not None else "",
-                     data_dir or "none")
+            log.info("qflowd started (pid %d): port %d, management port %d%s, data directory %s", os.getpid(),
+                     port, mgmt_port, f", TLS port {ssl_port}" if ssl_port is not None else "", data_dir or "none")
             ready += f" mgmt-port={mgmt_port}" + (f" ssl-port={ssl_port}" if ssl_port is not None else "")
             print(ready, flush=True)
             async for signum in signals:
