@@ -315,6 +315,8 @@ def test_the_management_api_is_checked_as_the_same_actions(daemon):
         ("GET", "/api/broker", None, "alice access broker"),
         ("GET", "/metrics", None, "alice access broker"),
         ("POST", "/api/acl/reload", None, "alice update broker"),
+        ("PUT", "/api/broker/log-level", {"level": "debug"}, "alice update broker"),
+        ("GET", "/api/broker/log-level", None, "alice access broker"),
     ):
         if what is None:
             assert mgmt(d, method, path, "alice", body)[0] == 200
@@ -341,7 +343,7 @@ async def test_connections_show_other_users_only_to_access_broker(daemon):
 def test_the_tools_with_credentials_are_checked(daemon):
     d = daemon
     url = lambda user: f"{user}/{PASSWORDS[user]}@127.0.0.1:{d.port}"  # noqa: E731
-    mgmt_url = lambda user: f"{user}/{PASSWORDS[user]}@127.0.0.1:{d.mgmt_port}"  # noqa: E731
+    mgmt_url = lambda user: f"{user}/{PASSWORDS[user]}@127.0.0.1:{d.port}"  # noqa: E731
     ok(run("qflow-config", "-b", mgmt_url("bob"), "add", "queue", "payments"))
     ok(run("qflow-send", "-b", url("bob"), "-a", "payments", "--messages", "3", "--content-string", "p"))
     refused(run("qflow-send", "-b", url("alice"), "-a", "payments", "--messages", "3"), 1, PAYMENTS_DENIED)
@@ -369,7 +371,7 @@ async def test_reload_puts_new_rules_in_force_and_a_bad_file_keeps_the_old(daemo
             sender = bob.sender("payments")
             await sender.send(b"1")
             await sender.sync()
-            admin_url = f"admin/{PASSWORDS['admin']}@127.0.0.1:{d.mgmt_port}"
+            admin_url = f"admin/{PASSWORDS['admin']}@127.0.0.1:{d.port}"
             # A bad file: refused naming its line; the old rules stay.
             acl.write_text("group admins admin\nacl allow admins all\nacl allow bob publish queue\n")
             refused(run("qflow-config", "-b", admin_url, "reload-acl"), 1,
@@ -436,6 +438,7 @@ def test_management_lists_show_only_what_the_user_may_access():
     assert {e["name"] for e in get("/api/exchanges", "carol")[1]} == {"", "amq.direct"}
     assert get("/api/bindings", "carol")[1] == []
     assert get("/api/connections", "carol") == (200, [])
+    assert get("/api/subscriptions", "carol") == (200, [])
     assert get("/api/broker", "carol") == (403, {"error": "not allowed: carol access broker"})
 
 

@@ -95,7 +95,8 @@ def test_log_level_changed_at_run_time(tmp_path: Path) -> None:
         assert refused.returncode == 1 and "must be one of debug, info, warning, error" in refused.stderr
         with pytest.raises(urllib.error.HTTPError) as info:
             request = urllib.request.Request(f"http://127.0.0.1:{d.mgmt_port}/api/broker/log-level",
-                                             data=b'{"level": 3}', method="PUT")
+                                             data=b'{"level": 3}', method="PUT",
+                                             headers={"Content-Type": "application/json"})
             urllib.request.urlopen(request, timeout=DEADLINE)
         assert info.value.code == 400
     finally:

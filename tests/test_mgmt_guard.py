@@ -295,7 +295,7 @@ def test_the_rules_hold_with_authentication_on_and_valid_credentials(tmp_path: P
     d = start_qflowd("--mgmt-port", "0", "--auth", "yes", "--sasl-db", str(db))
     try:
         basic = {"Authorization": "Basic " + base64.b64encode(b"alice:pw").decode()}
-        ok(run("qflow-config", "-b", f"alice/pw@127.0.0.1:{d.mgmt_port}", "add", "queue", "guarded"))
+        ok(run("qflow-config", "-b", f"alice/pw@127.0.0.1:{d.port}", "add", "queue", "guarded"))
         ok(run("qflow-send", "-b", f"alice/pw@{d.address}", "-a", "guarded", "-m", "3", "--content-string", "x"))
         purge = "/api/queues/guarded/purge"
         assert request(d, "POST", purge, {**basic, "Host": "evil.example", **JSON})[0] == 421

@@ -565,7 +565,10 @@ class ManagementApi:
 
     def list_subscriptions(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        return json_response(200, subscription_views(self.server))
+        views = subscription_views(self.server)
+        if not self._may("access", "broker", {}):  # isolation, as for connections: one's own only
+            views = [v for v in views if v["user"] == self.user]
+        return json_response(200, views)
 
     def broker_view(self, queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``views.broker_view`` with this API's server, options and start time."""
@@ -579,6 +582,7 @@ class ManagementApi:
 
     def get_log_level(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
+        self._allow("access", "broker", {})
         return json_response(200, {"level": logging.getLevelName(logging.getLogger().level).lower()})
 
     def put_log_level(self, *, query: dict[str, str], body: bytes) -> Response:
@@ -588,6 +592,7 @@ class ManagementApi:
         level = _get(fields, "level", str, required=True)
         if level.lower() not in LOG_LEVELS:
             raise ApiError(400, f"field 'level' must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
+        self._allow("update", "broker", {})  # as qpidd's setLogLevel and reloading the ACL
         logging.getLogger().setLevel(level.upper())
         return json_response(200, {"level": level.lower()})
 
