@@ -34,6 +34,7 @@ from qflow.broker.session import BrokerSession
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry, encode_tail, redelivered, seq_of
 from qflow.protocol.names import printable
+from qflow.protocol.ranges import RangeSet
 from qflow.protocol.session_output import SessionOutput
 
 log = logging.getLogger("qflow.broker")
@@ -601,6 +602,32 @@ class Broker:
             q.dequeue(entries.popleft())
             n += 1
         return n
+
+    def available(self, name: str, after: int, limit: int, by: BrokerSession | None = None) -> dict[str, Any]:
+        """Which messages a browsing reader may plan to read: the sequence
+        numbers of the first ``limit`` (-1: all) available messages above
+        ``after``, with the queue's incarnation and sequence bounds."""
+        q = self.queue("queue.available", name)
+        self.check_owner(q, "queue.available", by)
+        if after < 0 or limit < -1:
+            raise CommandError(P.INVALID_ARGUMENT, "queue.available: after must be >= 0 and limit >= -1")
+        return {"incarnation": q.incarnation, "sequences": q.available(after, limit).to_wire(),
+                "firstSequence": seq_of(q.entries[0]) if q.entries else q.next_seq,
+                "lastSequence": q.next_seq - 1}
+
+    def remove_sequences(self, name: str, incarnation: str, sequences: RangeSet,
+                         by: BrokerSession | None = None) -> int:
+        """Dequeue exactly the available messages of ``name`` numbered in
+        ``sequences`` (a browsing reader's commit of what it read), provided the
+        queue is still the ``incarnation`` that numbered them."""
+        q = self.queue("queue.remove-sequences", name)
+        self.check_owner(q, "queue.remove-sequences", by)
+        if q.incarnation != incarnation:
+            raise CommandError(P.PRECONDITION_FAILED,
+                               f"queue.remove-sequences: queue {name!r} is incarnation {q.incarnation}, not "
+                               f"{incarnation} (it was deleted and declared again, or the broker restarted): "
+                               f"nothing removed")
+        return q.remove_sequences(sequences)
 
     def purge_queue(self, name: str, by: BrokerSession | None = None) -> int:
         q = self.queue("queue.purge", name)

@@ -51,6 +51,20 @@ def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: s
     return {"messages": broker.remove_through(queue, sequence, by=ssn)}
 
 
+def _queue_available(broker: Broker, ssn: BrokerSession, cid: int, queue: str, after: int, limit: int) -> dict:
+    # What a browsing reader plans to read: as browsing, it needs consume.
+    broker.authorize(ssn.user, "consume", "queue", {"name": queue})
+    return broker.available(queue, after, limit, by=ssn)
+
+
+def _queue_remove_sequences(broker: Broker, ssn: BrokerSession, cid: int, queue: str, incarnation: str,
+                            sequences: list) -> dict:
+    # A browsing reader's commit removes what it read: it consumes.
+    broker.authorize(ssn.user, "consume", "queue", {"name": queue})
+    return {"messages": broker.remove_sequences(queue, incarnation, _ids("queue.remove-sequences", sequences),
+                                                by=ssn)}
+
+
 def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
     broker.authorize(ssn.user, "purge", "queue", {"name": queue})
     return {"messages": broker.purge_queue(queue, by=ssn)}
@@ -180,6 +194,7 @@ HANDLERS: dict[int, Callable[..., Any]] = {
     P.EXCHANGE_DECLARE: _exchange_declare, P.EXCHANGE_DELETE: _exchange_delete, P.EXCHANGE_BIND: _bind,
     P.EXCHANGE_UNBIND: _unbind, P.SUBSCRIBE: _subscribe, P.FLOW: _flow, P.ACCEPT: _accept, P.RELEASE: _release,
     P.CANCEL: _cancel, P.SYNC: _sync, P.SENDER_CAPACITY: _sender_capacity,
+    P.QUEUE_AVAILABLE: _queue_available, P.QUEUE_REMOVE_SEQUENCES: _queue_remove_sequences,
 }
 
 

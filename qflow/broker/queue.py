@@ -11,14 +11,17 @@ itself in the set of queues with messages for their consumers.
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from collections.abc import Sequence
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from qflow.broker.flow import QueueSettings
 from qflow.broker.flow_limit import FlowLimit, pack_op
 from qflow.broker.ops import OP_DEQUEUE, OP_DEQUEUE_N, OP_ENQUEUE, OP_TRANSFER1
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, seq_and_size, seq_of, total_size
+from qflow.protocol.ranges import RangeSet
 
 if TYPE_CHECKING:
     from qflow.broker.flow_limit import FlowControl, Holder
@@ -50,7 +53,7 @@ class Queue:
         "ready", "entries", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
-        "route", "browsers", "holders", "special",
+        "route", "browsers", "holders", "special", "incarnation",
     )
 
     def __init__(
@@ -91,6 +94,10 @@ class Queue:
         self.had_consumer = False
         self.deleted = False
         self.route = (self,)  # the default exchange's routing result, made once
+        # Names this queue object: a queue deleted and declared again (or recovered
+        # by a restart) numbers its messages afresh, so a reader that remembers
+        # sequence numbers must also remember whose they are.
+        self.incarnation = secrets.token_hex(8)
 
     def set_settings(self, settings: QueueSettings) -> None:
         self.settings = settings
@@ -251,6 +258,56 @@ class Queue:
             i = len(entries)
         entries.insert(i, entry)
 
+    # -- reading by sequence number (a browsing reader's plan and commit) -------------
+    def _index_after(self, after: int) -> int:
+        """Index of the first available entry with a sequence number above ``after``
+        (entries are kept in sequence order)."""
+        entries = self.entries
+        lo, hi = 0, len(entries)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if seq_of(entries[mid]) <= after:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def available(self, after: int, limit: int = -1) -> RangeSet:
+        """The sequence numbers of the first ``limit`` (-1: all) available
+        messages numbered above ``after``. Acquired ones are not available."""
+        out = RangeSet()
+        if limit == 0:
+            return out
+        add = out.add
+        n = 0
+        for entry in islice(self.entries, self._index_after(after), None):
+            add(seq_of(entry))
+            n += 1
+            if n == limit:
+                break
+        return out
+
+    def remove_sequences(self, sequences: RangeSet) -> int:
+        """Dequeue exactly the available messages whose sequence numbers are in
+        ``sequences``; any other stays where it is. Returns how many went."""
+        entries = self.entries
+        if not sequences or not entries:
+            return 0
+        ranges = list(sequences.ranges())  # sorted and disjoint
+        first, last = ranges[0][0], ranges[-1][1]
+        i = self._index_after(first - 1)
+        entries.rotate(-i)
+        removed: list[Entry] = []
+        kept: list[Entry] = []
+        while entries and seq_of(entries[0]) <= last:
+            entry = entries.popleft()
+            (removed if seq_of(entry) in sequences else kept).append(entry)
+        entries.extendleft(reversed(kept))
+        entries.rotate(i)
+        if removed:
+            self.dequeue_many(removed)
+        return len(removed)
+
     def stats(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -273,4 +330,5 @@ class Queue:
             "policyType": self.settings.policy,
             "firstSequence": seq_of(self.entries[0]) if self.entries else self.next_seq,
             "lastSequence": self.next_seq - 1,
+            "incarnation": self.incarnation,
         }

@@ -14,6 +14,7 @@ from qflow.client.receiver import Receiver
 from qflow.client.sender import Sender
 from qflow.protocol.commands import OutgoingCommands
 from qflow.protocol.names import printable
+from qflow.protocol.ranges import RangeSet
 
 if TYPE_CHECKING:
     from qflow.client.connection import Connection
@@ -137,6 +138,20 @@ class Session:
         """Remove every available message of ``name`` with a sequence number up
         to and including ``sequence``; returns how many were removed."""
         return (await self._call(P.QUEUE_REMOVE_THROUGH, name, sequence))["messages"]
+
+    async def available(self, name: str, after: int = 0, limit: int = -1) -> dict[str, Any]:
+        """Which messages of ``name`` are available above sequence ``after`` (the
+        first ``limit``; -1: all): ``{incarnation, sequences, firstSequence,
+        lastSequence}``, ``sequences`` as a RangeSet."""
+        result = await self._call(P.QUEUE_AVAILABLE, name, after, limit)
+        result["sequences"] = RangeSet.from_wire(result["sequences"])
+        return result
+
+    async def remove_sequences(self, name: str, incarnation: str, sequences: RangeSet) -> int:
+        """Remove exactly the available messages of ``name`` numbered in
+        ``sequences``, if the queue is still ``incarnation`` (else the broker
+        refuses with PRECONDITION_FAILED and removes nothing); returns how many went."""
+        return (await self._call(P.QUEUE_REMOVE_SEQUENCES, name, incarnation, sequences.to_wire()))["messages"]
 
     async def purge_queue(self, name: str) -> dict[str, Any]:
         return await self._call(P.QUEUE_PURGE, name)

@@ -55,6 +55,8 @@ SYNC = 44
 SENDER_CAPACITY = 45
 QUEUE_MODIFY = 46
 QUEUE_REMOVE_THROUGH = 47
+QUEUE_AVAILABLE = 48
+QUEUE_REMOVE_SEQUENCES = 49
 
 ACCEPT_EXPLICIT = 0
 ACCEPT_NONE = 1
@@ -113,6 +115,8 @@ COMMANDS: dict[int, tuple[str, tuple[tuple[str, str], ...]]] = {
     SENDER_CAPACITY: ("session.sender-capacity", (("capacity", _I),)),
     QUEUE_MODIFY: ("queue.modify", (("queue", _S), ("arguments", _M))),
     QUEUE_REMOVE_THROUGH: ("queue.remove-through", (("queue", _S), ("sequence", _I))),
+    QUEUE_AVAILABLE: ("queue.available", (("queue", _S), ("after", _I), ("limit", _I))),
+    QUEUE_REMOVE_SEQUENCES: ("queue.remove-sequences", (("queue", _S), ("incarnation", _S), ("sequences", _L))),
 }
 # Trailing fields a sender may leave out, with their defaults (added in later versions).
 OPTIONAL_FIELDS: dict[int, tuple[Any, ...]] = {SUBSCRIBE: (0,)}

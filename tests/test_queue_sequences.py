@@ -1,0 +1,115 @@
+"""queue.available and queue.remove-sequences: what a browsing reader (the
+Spark source) plans by sequence number, and its commit, which removes exactly
+the messages it read and nothing else; the queue's incarnation, which tells a
+queue deleted and declared again from the one whose numbers a reader holds."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import qflow
+from qflow import protocol as P
+from qflow.protocol.ranges import RangeSet
+from tests.conftest import wait_for
+
+
+async def fill(ssn: qflow.Session, queue: str, n: int, **arguments: int) -> None:
+    await ssn.declare_queue(queue, arguments=arguments or None)
+    sender = ssn.sender(queue, capacity=100)
+    for i in range(n):
+        await sender.send(b"m%d" % i)
+    await sender.sync()
+
+
+async def test_available_lists_sequences_above_after_up_to_limit(ssn):
+    await fill(ssn, "q", 10)
+    a = await ssn.available("q")
+    assert list(a["sequences"].ranges()) == [(1, 10)]
+    assert (a["firstSequence"], a["lastSequence"]) == (1, 10)
+    assert a["incarnation"] == (await ssn.query_queue("q"))["incarnation"]
+    assert list((await ssn.available("q", after=3, limit=4))["sequences"].ranges()) == [(4, 7)]
+    assert not (await ssn.available("q", after=10))["sequences"]
+    assert not (await ssn.available("q", after=2, limit=0))["sequences"]
+
+
+async def test_available_leaves_out_messages_another_consumer_holds(ssn):
+    await fill(ssn, "q", 6)
+    receiver = await ssn.receiver("q", capacity=2, accept="explicit")  # acquires 1 and 2, unaccepted
+    got = [await receiver.fetch(timeout=10) for _ in range(2)]
+    assert [m.sequence for m in got] == [1, 2]
+    # The receiver renews its credit as it fetches, so it may hold two more.
+    acquired = 6 - len((await ssn.available("q"))["sequences"])
+    assert acquired in (2, 4)
+    assert list((await ssn.available("q"))["sequences"].ranges()) == [(acquired + 1, 6)]
+    assert (await ssn.query_queue("q"))["msgDepth"] == 6  # still there, only not available
+
+
+async def test_remove_sequences_removes_exactly_those_and_keeps_the_rest(ssn):
+    """Sequences 2-4 and 7 go; 1, 5, 6, 8 stay in their order; a sequence
+    already gone (or never there) is no error."""
+    await fill(ssn, "q", 8)
+    incarnation = (await ssn.query_queue("q"))["incarnation"]
+    assert await ssn.remove_sequences("q", incarnation, RangeSet([(2, 4), (7, 7), (50, 60)])) == 4
+    assert list((await ssn.available("q"))["sequences"]) == [1, 5, 6, 8]
+    assert (await ssn.query_queue("q"))["msgDepth"] == 4
+    assert await ssn.remove_sequences("q", incarnation, RangeSet([(2, 4)])) == 0  # idempotent
+    receiver = await ssn.receiver("q")
+    assert [(await receiver.fetch(timeout=10)).body for _ in range(4)] == [b"m0", b"m4", b"m5", b"m7"]
+
+
+async def test_remove_sequences_of_another_incarnation_is_refused_and_removes_nothing(ssn):
+    """A queue deleted and declared again numbers from 1 again: a commit of
+    the old queue's numbers must not remove the new queue's messages."""
+    await fill(ssn, "q", 5)
+    old = (await ssn.query_queue("q"))["incarnation"]
+    await ssn.delete_queue("q")
+    await fill(ssn, "q", 5)
+    new = (await ssn.query_queue("q"))["incarnation"]
+    assert new != old
+    with pytest.raises(qflow.PreconditionFailed, match=f"queue 'q' is incarnation {new}, not {old}"):
+        await ssn.remove_sequences("q", old, RangeSet([(1, 5)]))
+    assert (await ssn.query_queue("q"))["msgDepth"] == 5
+    with pytest.raises(qflow.NotFound, match="queue.remove-sequences: queue 'nope' not found"):
+        await ssn.remove_sequences("nope", new, RangeSet([(1, 1)]))
+
+
+async def test_bad_arguments_are_refused_naming_the_fault(running):
+    conn = await running.connect()
+    ssn = await conn.session()
+    await fill(ssn, "q", 2)
+    with pytest.raises(qflow.InvalidArgument, match="limit >= -1"):
+        await ssn.available("q", after=0, limit=-2)
+    ssn = await conn.session()  # a refused command ends its session
+    with pytest.raises(qflow.InvalidArgument, match="queue.remove-sequences: bad range"):
+        await ssn._call(P.QUEUE_REMOVE_SEQUENCES, "q", "x", [5, 1])
+    ssn = await conn.session()
+    assert (await ssn.query_queue("q"))["msgDepth"] == 2  # broker unharmed, nothing lost
+
+
+async def test_removing_sequences_releases_held_producers(running, nursery):
+    """Like consuming, removing by sequence dequeues: a flow-stopped queue
+    resumes and its held producer completes."""
+    conn = await running.connect()
+    ssn = await conn.session()
+    await ssn.declare_queue("q", arguments={"qpid.flow_stop_count": 5, "qpid.flow_resume_count": 2})
+    sender = ssn.sender("q", capacity=3)
+    done = trio.Event()
+
+    async def produce() -> None:
+        for i in range(10):
+            await sender.send(b"%d" % i)
+        await sender.sync()
+        done.set()
+
+    nursery.start_soon(produce)
+    await wait_for(lambda: sender.incomplete >= 3)
+    st = await ssn.query_queue("q")
+    assert st["flowStopped"] and st["heldTransfers"] >= 1
+    while not done.is_set():
+        a = await ssn.available("q")
+        if a["sequences"]:
+            await ssn.remove_sequences("q", a["incarnation"], a["sequences"])
+        with trio.move_on_after(0.05):
+            await done.wait()
+    assert (await ssn.query_queue("q"))["lastSequence"] == 10
