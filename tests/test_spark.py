@@ -22,12 +22,14 @@ import trio  # noqa: E402
 
 import qflow  # noqa: E402
 from qflow.spark import QflowDataSource, register  # noqa: E402
+from qflow.protocol.ranges import RangeSet  # noqa: E402
 from qflow.spark.datasource import (  # noqa: E402
     ReadOptions,
-    SequenceRange,
+    SequenceSet,
     WriteOptions,
+    describe,
     parse_broker,
-    split_range,
+    split_sequences,
 )
 from tests.conftest import Daemon, start_qflowd  # noqa: E402
 
@@ -171,25 +173,34 @@ def test_options_are_case_insensitive_and_checked() -> None:
         ReadOptions.parse({})
     with pytest.raises(ValueError, match="maxMessagesPerTrigger' must be an integer"):
         ReadOptions.parse({"queue": "q", "maxmessagespertrigger": "lots"})
-    with pytest.raises(ValueError, match="'consume' must be true or false"):
-        ReadOptions.parse({"queue": "q", "consume": "maybe"})
+    with pytest.raises(ValueError, match="'failOnDataLoss' must be true or false"):
+        ReadOptions.parse({"queue": "q", "failondataloss": "maybe"})
+    assert ReadOptions.parse({"queue": "q"}).fail_on_data_loss is True
+    assert ReadOptions.parse({"queue": "q", "failOnDataLoss": "false"}).fail_on_data_loss is False
     w = WriteOptions.parse({"exchange": "ex", "routingkey": "k", "capacity": "7"})
     assert (w.address, w.capacity, w.send_timeout) == ("ex/k", 7, None)
     assert WriteOptions.parse({"queue": "q", "sendtimeout": "2.5"}).send_timeout == 2.5
+    assert (w.durable, WriteOptions.parse({"queue": "q", "Durable": "true"}).durable) == (False, True)
     for bad, text in [({}, "needs option 'queue'"), ({"queue": "q", "exchange": "e"}, "not both"),
                       ({"queue": "q", "capacity": "0"}, "at least 1"),
+                      ({"queue": "q", "durable": "sometimes"}, "'durable' must be true or false"),
                       ({"queue": "q", "routingkey": "k"}, "goes with 'exchange'")]:
         with pytest.raises(ValueError, match=text):
             WriteOptions.parse(bad)
 
 
-def test_split_range() -> None:
-    assert split_range(5, 4, None) == []
-    parts = split_range(1, 10, 3)
-    assert [(p.first, p.last) for p in parts] == [(1, 4), (5, 7), (8, 10)]
-    assert len(split_range(1, 2, 8)) == 2  # never an empty partition
-    assert len(split_range(1, 1_000_000, None)) == 8
-    assert all(isinstance(p, SequenceRange) for p in parts)
+def test_split_sequences() -> None:
+    def parts(ranges: list[tuple[int, int]], n: int | None, per_part: int = 10_000) -> list[list[tuple[int, int]]]:
+        return [list(p.ranges()) for p in split_sequences(RangeSet(ranges), n, per_part)]
+
+    assert parts([], None) == []
+    assert parts([(1, 10)], 3) == [[(1, 4)], [(5, 7)], [(8, 10)]]
+    # a planned set with holes splits by count of messages, not by numbers
+    assert parts([(1, 2), (5, 6), (9, 10)], 2) == [[(1, 2), (5, 5)], [(6, 6), (9, 10)]]
+    assert len(parts([(1, 2)], 8)) == 2  # never an empty partition
+    assert len(parts([(1, 1_000_000)], None)) == 8
+    assert parts([(1, 5)], None, per_part=2) == [[(1, 2)], [(3, 4)], [(5, 5)]]
+    assert describe(RangeSet([(5, 7), (9, 9)])) == "5..7, 9"
 
 
 def test_everything_pickles() -> None:
@@ -205,7 +216,7 @@ def test_everything_pickles() -> None:
     ds = QflowDataSource({"queue": "q", "broker": "127.0.0.1:1"})
     schema = StructType([StructField(name, StringType()) for name in COLUMNS])  # only the names matter
     opts = WriteOptions.parse({"queue": "q"})
-    for obj in (ds, ds.reader(schema), ds.streamReader(schema), split_range(1, 10, 2)[0],
+    for obj in (ds, ds.reader(schema), ds.streamReader(schema), SequenceSet(0, "abc", [1, 10]),
                 QflowBatchWriter(opts, "w"), QflowStreamWriter(opts, None)):
         assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
 
@@ -254,9 +265,8 @@ def test_batch_write_and_read_round_trip(spark: Any, daemon: Daemon, broker: str
     assert [m.body for m in browse(daemon, "by-key-1")] == [b"x"]
     assert [m.body for m in browse(daemon, "by-key-2")] == [b"y", b"z"]
 
-    # consume=true removes what the read handed over.
-    assert read(spark, broker, "rt", consume="true").count() == 30
-    assert stats(daemon, "rt")["msgDepth"] == 0
+    # Reading browses: nothing was taken.
+    assert stats(daemon, "rt")["msgDepth"] == 30
 
 
 def stream(spark: Any, broker: str, source: str, sink: str, checkpoint: str, per_trigger: int,
@@ -282,10 +292,11 @@ def test_streaming_available_now_reads_writes_and_commits(spark: Any, daemon: Da
     assert [m.message_id.rsplit("-", 3)[1:] for m in out[:5]] == [["0", "0", str(i)] for i in range(4)] + [
         ["1", "0", "0"]]
     assert {m.message_id.rsplit("-", 3)[0] for m in out} == {q.id}
-    # Spark commits a batch's source offsets when it plans the next batch:
-    # batches 0 and 1 are removed, the last one waits for the next run.
+    # Spark commits a batch's source offsets when it plans the next batch; the
+    # source plans an empty one after the last, so every batch is committed
+    # (removed) by the end of the run.
     st = stats(daemon, "s-in")
-    assert (st["msgDepth"], st["firstSequence"]) == (2, 9)
+    assert (st["msgDepth"], st["firstSequence"]) == (0, 11)
 
     send(daemon, "s-in", ["late-1", "late-2", "late-3"])
     q = stream(spark, broker, "s-in", "s-out", checkpoint, per_trigger=4)
@@ -293,7 +304,7 @@ def test_streaming_available_now_reads_writes_and_commits(spark: Any, daemon: Da
     out = browse(daemon, "s-out")
     assert [m.body for m in out][10:] == [b"late-1", b"late-2", b"late-3"]  # nothing read twice
     st = stats(daemon, "s-in")
-    assert (st["msgDepth"], st["firstSequence"]) == (3, 11)
+    assert (st["msgDepth"], st["firstSequence"]) == (0, 14)
 
 
 def test_replay_after_restart_before_commit(spark: Any, daemon: Daemon, broker: str, tmp_path: Any) -> None:

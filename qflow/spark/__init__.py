@@ -18,10 +18,11 @@ from qflow.spark.datasource import (
     COLUMNS,
     FORMAT,
     SCHEMA,
+    QflowDataLossError,
     QflowDataSource,
     QflowOptionError,
     register,
     remove_through,
 )
 
-__all__ = ["COLUMNS", "FORMAT", "SCHEMA", "QflowDataSource", "QflowOptionError", "register", "remove_through"]
+__all__ = ["COLUMNS", "FORMAT", "SCHEMA", "QflowDataLossError", "QflowDataSource", "QflowOptionError", "register", "remove_through"]

@@ -45,6 +45,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 import qflow
+from qflow.protocol.ranges import RangeSet
 
 try:  # pyspark >= 4.2: admission control and Trigger.AvailableNow for Python sources
     from pyspark.sql.streaming.datasource import (
@@ -196,9 +197,8 @@ class ReadOptions:
     queue: str
     num_partitions: int | None
     max_per_trigger: int | None
-    consume: bool
     starting: str
-    idle_timeout: float
+    fail_on_data_loss: bool
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
@@ -209,14 +209,18 @@ class ReadOptions:
         starting = opts.get("startingoffsets", "earliest").strip().lower()
         if starting not in ("earliest", "latest"):
             raise QflowOptionError(f"qflow option 'startingOffsets' must be earliest or latest, not {starting!r}")
+        if _bool(opts, "consume", "consume", False):
+            raise QflowOptionError(
+                "qflow option 'consume' is not supported: Spark's batch reader has no commit, so a job that failed "
+                "after reading would lose what it removed. Read with spark.readStream and "
+                "trigger(availableNow=True) instead: each micro-batch is removed once Spark has committed it")
         return cls(
             endpoint=Endpoint.parse(opts),
             queue=queue,
             num_partitions=_int(opts, "numpartitions", "numPartitions", None, 1),
             max_per_trigger=_int(opts, "maxmessagespertrigger", "maxMessagesPerTrigger", None, 1),
-            consume=_bool(opts, "consume", "consume", False),
             starting=starting,
-            idle_timeout=_float(opts, "readidletimeout", "readIdleTimeout", 10.0) or 10.0,
+            fail_on_data_loss=_bool(opts, "failondataloss", "failOnDataLoss", True),
         )
 
 
@@ -229,6 +233,7 @@ class WriteOptions:
     capacity: int
     send_timeout: float | None
     write_id: str | None
+    durable: bool
 
     @property
     def address(self) -> str:
@@ -258,6 +263,7 @@ class WriteOptions:
             capacity=_int(opts, "capacity", "capacity", DEFAULT_CAPACITY, 1),
             send_timeout=_float(opts, "sendtimeout", "sendTimeout", None),
             write_id=opts.get("writeid") or None,
+            durable=_bool(opts, "durable", "durable", False),
         )
 
 
@@ -318,6 +324,16 @@ async def _remove_through(endpoint: Endpoint, queue: str, sequence: int) -> int:
         await conn.close()
 
 
+async def _remove_sequences(endpoint: Endpoint, queue: str, incarnation: str, sequences: RangeSet) -> int:
+    conn = await endpoint.connect()
+    try:
+        with trio.fail_after(endpoint.connect_timeout):
+            ssn = await conn.session()
+            return await ssn.remove_sequences(queue, incarnation, sequences)
+    finally:
+        await conn.close()
+
+
 def remove_through(broker: str, queue: str, sequence: int, connect_timeout: float = 10.0,
                    username: str | None = None, password: str | None = None) -> int:
     """Remove every available message of ``queue`` with a sequence number up
@@ -327,33 +343,61 @@ def remove_through(broker: str, queue: str, sequence: int, connect_timeout: floa
 
 
 # -- reading ----------------------------------------------------------------------
-class SequenceRange(InputPartition):
-    """Sequence numbers ``first`` through ``last`` (inclusive) of one queue."""
+class QflowDataLossError(RuntimeError):
+    """Messages a read planned, or should have planned, are gone (option failOnDataLoss)."""
 
-    def __init__(self, index: int, first: int, last: int) -> None:
+
+def describe(sequences: RangeSet) -> str:
+    """``5..7, 9``: a set of sequence numbers as a person reads it."""
+    parts = [f"{a}" if a == b else f"{a}..{b}" for a, b in sequences.ranges()]
+    if len(parts) > 8:
+        parts = parts[:8] + [f"... ({len(sequences)} in all)"]
+    return ", ".join(parts)
+
+
+def data_loss(opts: ReadOptions, what: str) -> None:
+    """Fail the read (failOnDataLoss=true, the default) or log the loss and go on."""
+    text = f"qflow: data loss on queue {opts.queue!r}: {what}"
+    if opts.fail_on_data_loss:
+        raise QflowDataLossError(text + ". Set option failOnDataLoss=false to log such losses and go on.")
+    log.warning("%s; going on (failOnDataLoss=false)", text)
+
+
+class SequenceSet(InputPartition):
+    """Exactly these sequence numbers (a flat range list) of one incarnation of a queue."""
+
+    def __init__(self, index: int, incarnation: str, sequences: list[int]) -> None:
         self.index = index
-        self.first = first
-        self.last = last
+        self.incarnation = incarnation
+        self.sequences = sequences
 
     def __repr__(self) -> str:
-        return f"SequenceRange({self.index}, {self.first}..{self.last})"
+        return f"SequenceSet({self.index}, {describe(RangeSet.from_wire(self.sequences))})"
 
 
-def split_range(first: int, last: int, parts: int | None) -> list[SequenceRange]:
-    """Split ``first..last`` into ``parts`` contiguous ranges (default: one per
-    MESSAGES_PER_PARTITION messages, at most MAX_PARTITIONS)."""
-    n = last - first + 1
-    if n <= 0:
+def split_sequences(sequences: RangeSet, parts: int | None, per_part: int = MESSAGES_PER_PARTITION) -> list[RangeSet]:
+    """Split ``sequences`` into ``parts`` sets of consecutive members, as even as
+    can be (default: one per ``per_part`` members, at most MAX_PARTITIONS)."""
+    n = len(sequences)
+    if n == 0:
         return []
     if parts is None:
-        parts = min(MAX_PARTITIONS, math.ceil(n / MESSAGES_PER_PARTITION))
+        parts = min(MAX_PARTITIONS, math.ceil(n / per_part))
     parts = max(1, min(parts, n))
-    out = []
-    start = first
-    for i in range(parts):
-        size = n // parts + (1 if i < n % parts else 0)
-        out.append(SequenceRange(i, start, start + size - 1))
-        start += size
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    out: list[RangeSet] = []
+    current = RangeSet()
+    room = sizes[0]
+    for first, last in sequences.ranges():
+        while first <= last:
+            take = min(room, last - first + 1)
+            current.add_range(first, first + take - 1)
+            first += take
+            room -= take
+            if room == 0:
+                out.append(current)
+                current = RangeSet()
+                room = sizes[len(out)] if len(out) < parts else 0
     return out
 
 
@@ -367,61 +411,96 @@ def _row(m: qflow.ReceivedMessage) -> tuple:
             m.sequence, bool(m.redelivered))
 
 
-async def _browse_chunk(opts: ReadOptions, start: int, last: int, limit: int) -> tuple[list[tuple], int, bool]:
-    """Browse ``opts.queue`` from sequence ``start``: up to ``limit`` messages
-    with sequences up to ``last``. Returns (rows, next start, whether the
-    range is finished)."""
+POLL = 0.2  # seconds a reading task waits for its next message before asking the broker what is left
+
+
+async def _read_chunk(opts: ReadOptions, incarnation: str, wanted: RangeSet) -> tuple[list[tuple], RangeSet]:
+    """Browse exactly the messages numbered in ``wanted`` of ``incarnation`` of
+    ``opts.queue``. Returns (their rows, the wanted numbers that are gone)."""
     rows: list[tuple] = []
+    got = RangeSet()
+    last = max(b for _, b in wanted.ranges())
     conn = await opts.endpoint.connect()
     try:
-        capacity = max(1, min(limit, last - start + 1, 1000))
         with trio.fail_after(opts.endpoint.connect_timeout):
             ssn = await conn.session()
-            receiver = await ssn.receiver(opts.queue, browse=True, start_sequence=start, capacity=capacity)
-        quiet = 0.0
-        poll = min(0.5, opts.idle_timeout)
-        while len(rows) < limit:
-            try:
-                m = await receiver.fetch(timeout=poll)
-            except qflow.Empty:
-                # Nothing more came. Either the rest of the range is gone
-                # (removed by someone else, or dropped by a ring queue) or it
-                # is late; the statistics can prove the first case.
-                with trio.fail_after(opts.endpoint.connect_timeout):
-                    st = await ssn.query_queue(opts.queue)
-                if st["msgDepth"] == 0 or st["firstSequence"] > last:
-                    return rows, last + 1, True
-                quiet += poll
-                if quiet >= opts.idle_timeout:
-                    log.warning("qflow: queue %r: no message from sequence %d through %d arrived in %.0f s; "
-                                "taking them as removed (option readIdleTimeout)", opts.queue, start, last, quiet)
-                    return rows, last + 1, True
-                continue
-            quiet = 0.0
-            if m.sequence > last:
-                return rows, last + 1, True
-            rows.append(_row(m))
-            start = m.sequence + 1
-            if m.sequence >= last:
-                return rows, last + 1, True
-        return rows, start, False
+        try:
+            return await _browse_wanted(opts, ssn, incarnation, wanted, rows, got, last)
+        except qflow.NotFound:  # the queue was deleted under the read
+            return rows, _minus(wanted, got)
     finally:
         await conn.close()
 
 
-def read_range(opts: ReadOptions, first: int, last: int, indices: list[int] | None = None) -> Iterator[tuple]:
-    """Every available message with a sequence in ``first..last``, in order,
-    browsed a chunk per connection so memory stays bounded."""
-    start = first
-    while start <= last:
-        rows, start, done = _run(_browse_chunk, opts, start, last, CHUNK)
+async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str, wanted: RangeSet,
+                         rows: list[tuple], got: RangeSet, last: int) -> tuple[list[tuple], RangeSet]:
+    total = len(wanted)
+    with trio.fail_after(opts.endpoint.connect_timeout):
+        head = await ssn.available(opts.queue, 0, 0)
+    if head["incarnation"] != incarnation:
+        return rows, wanted
+    start = next(wanted.ranges())[0]
+    while len(got) < total:
+        with trio.fail_after(opts.endpoint.connect_timeout):
+            receiver = await ssn.receiver(opts.queue, browse=True, start_sequence=start,
+                                          capacity=max(1, min(total, 1000)))
+        past_end = False
+        while len(got) < total and not past_end:
+            try:
+                batch = await receiver.fetch_many(timeout=POLL)
+            except qflow.Empty:
+                break
+            for m in batch:
+                seq = m.sequence
+                if seq > last:
+                    past_end = True
+                elif seq in wanted and seq not in got:
+                    got.add(seq)
+                    rows.append(_row(m))
+        if len(got) == total:
+            break
+        # The browser went past some wanted numbers, or nothing came: ask which
+        # are still there. A message another consumer held while the browser
+        # passed and has since released is behind the browser's cursor: browse
+        # again from the first such one. The others are gone.
+        with trio.fail_after(opts.endpoint.connect_timeout):
+            await receiver.close()
+            now = await ssn.available(opts.queue, start - 1, last - start + 1)
+        if now["incarnation"] != incarnation:
+            return rows, _minus(wanted, got)
+        left = [s for s in _minus(wanted, got) if s in now["sequences"]]
+        if not left:
+            return rows, _minus(wanted, got)
+        start = left[0]
+    return rows, RangeSet()
+
+
+def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
+    out = RangeSet()
+    for s in a:
+        if s not in b:
+            out.add(s)
+    return out
+
+
+def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
+                   indices: list[int] | None = None) -> Iterator[tuple]:
+    """Every message numbered in ``sequences`` (of ``incarnation``), browsed a
+    chunk per connection so memory stays bounded. A planned message that is
+    gone is data loss (failOnDataLoss)."""
+    for chunk in split_sequences(sequences, None, CHUNK):
+        if len(chunk) == 0:
+            continue
+        rows, missing = _run(_read_chunk, opts, incarnation, chunk)
+        if missing:
+            data_loss(opts, f"sequences {describe(missing)}, planned for this read, are no longer in the queue "
+                            f"(overwritten by a ring queue, removed or taken by another consumer, or the queue "
+                            f"was deleted: incarnation {incarnation})")
         if indices is None:
             yield from rows
         else:
             for r in rows:
                 yield tuple(r[i] for i in indices)
-        if done:
-            break
 
 
 def _indices(schema: StructType) -> list[int] | None:
@@ -434,46 +513,76 @@ def _indices(schema: StructType) -> list[int] | None:
     return [COLUMNS.index(n) for n in names]
 
 
+async def _available(endpoint: Endpoint, queue: str, after: int, limit: int) -> dict[str, Any]:
+    conn = await endpoint.connect()
+    try:
+        with trio.fail_after(endpoint.connect_timeout):
+            ssn = await conn.session()
+            return await ssn.available(queue, after, limit)
+    finally:
+        await conn.close()
+
+
+def available(endpoint: Endpoint, queue: str, after: int, limit: int) -> dict[str, Any]:
+    """The broker's ``queue.available``: which messages a read may plan."""
+    try:
+        return _run(_available, endpoint, queue, after, limit)
+    except qflow.NotFound:
+        raise QflowOptionError(f"qflow: queue {queue!r} does not exist on the broker at "
+                               f"{endpoint.host}:{endpoint.port} (declare it first)") from None
+
+
+def _partitions(opts: ReadOptions, incarnation: str, sequences: RangeSet) -> list[SequenceSet]:
+    return [SequenceSet(i, incarnation, part.to_wire())
+            for i, part in enumerate(split_sequences(sequences, opts.num_partitions))]
+
+
 class QflowBatchReader(DataSourceReader):
-    """Reads what is in the queue at planning time, by browsing."""
+    """Reads exactly the messages available when the query is planned, by browsing."""
 
     def __init__(self, opts: ReadOptions, schema: StructType) -> None:
         self.opts = opts
         self.indices = _indices(schema)
 
-    def partitions(self) -> list[SequenceRange]:
-        st = queue_stats(self.opts.endpoint, self.opts.queue)
-        # consume=true reads one partition: removing through the end of a range
-        # removes everything before it too, which another task may be reading.
-        parts = split_range(st["firstSequence"], st["lastSequence"],
-                            1 if self.opts.consume else self.opts.num_partitions)
-        return parts or [SequenceRange(0, 1, 0)]  # an empty range: no rows
+    def partitions(self) -> list[SequenceSet]:
+        a = available(self.opts.endpoint, self.opts.queue, 0, -1)
+        return _partitions(self.opts, a["incarnation"], a["sequences"]) or [SequenceSet(0, a["incarnation"], [])]
 
-    def read(self, partition: SequenceRange) -> Iterator[tuple]:
-        yield from read_range(self.opts, partition.first, partition.last, self.indices)
-        if self.opts.consume and partition.last >= partition.first:
-            # Spark's batch reader has no job-commit hook: remove the range once
-            # the task has handed over every row of it (not if it stopped early).
-            _run(_remove_through, self.opts.endpoint, self.opts.queue, partition.last)
+    def read(self, partition: SequenceSet) -> Iterator[tuple]:
+        yield from read_sequences(self.opts, partition.incarnation, RangeSet.from_wire(partition.sequences),
+                                  self.indices)
+
+
+def offset(incarnation: str, sequence: int, read: RangeSet | None = None) -> dict:
+    """A streaming offset: every message of ``incarnation`` numbered through
+    ``sequence`` has been planned; ``read`` is exactly what the batch that ends
+    here reads (and what its commit removes)."""
+    return {"incarnation": incarnation, "sequence": sequence, "read": read.to_wire() if read else []}
 
 
 class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Offsets are ``{"sequence": N}``: everything through N has been planned."""
+    """Offsets are :func:`offset` dicts. A batch reads exactly the numbers in
+    its end offset's ``read``; commit removes exactly those."""
 
     def __init__(self, opts: ReadOptions, schema: StructType) -> None:
         self.opts = opts
         self.indices = _indices(schema)
         self._target: int | None = None  # Trigger.AvailableNow: the last sequence to read
-        self._last_end: int | None = None  # for pyspark < 4.2, which passes no start
+        self._last: dict | None = None  # for pyspark < 4.2, which passes no start
+        self._initial: dict | None = None
 
     def initialOffset(self) -> dict:
-        st = queue_stats(self.opts.endpoint, self.opts.queue)
-        if self.opts.starting == "latest":
-            return {"sequence": st["lastSequence"]}
-        return {"sequence": st["firstSequence"] - 1}
+        # Spark may ask again until the first batch is planned: "latest" must
+        # stay the point the query started at, or messages sent in between
+        # would be skipped.
+        if self._initial is None:
+            a = available(self.opts.endpoint, self.opts.queue, 0, 0)
+            through = a["lastSequence"] if self.opts.starting == "latest" else a["firstSequence"] - 1
+            self._initial = offset(a["incarnation"], through)
+        return self._initial
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = queue_stats(self.opts.endpoint, self.opts.queue)["lastSequence"]
+        self._target = available(self.opts.endpoint, self.opts.queue, 0, 0)["lastSequence"]
 
     def getDefaultReadLimit(self) -> Any:
         if self.opts.max_per_trigger and ReadMaxRows is not None:
@@ -481,35 +590,82 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable() if ReadAllAvailable is not None else None
 
     def latestOffset(self, start: dict | None = None, limit: Any = None) -> dict:
-        st = queue_stats(self.opts.endpoint, self.opts.queue)
-        latest = st["lastSequence"]
-        if self._target is not None:
-            latest = min(latest, self._target)
-        if start is None:  # pyspark < 4.2: no start, no limit; apply maxMessagesPerTrigger here
-            begin = max(self._last_end or 0, st["firstSequence"] - 1)
+        if start is None:  # pyspark < 4.2: no start, no limit
+            start = self._last or self.initialOffset()
             max_rows = self.opts.max_per_trigger
         else:
-            begin = int(start["sequence"])
             max_rows = getattr(limit, "max_rows", None) if limit is not None else None
-        if latest < begin:
-            # The queue was deleted and declared again: sequences restarted.
-            log.warning("qflow: queue %r last sequence %d is behind the offset %d; waiting for new messages",
-                        self.opts.queue, latest, begin)
-            latest = begin
-        end = latest if max_rows is None else min(latest, begin + max_rows)
-        self._last_end = end
-        return {"sequence": end}
+        end = self.plan(start, max_rows)
+        self._last = end
+        return end
 
-    def partitions(self, start: dict, end: dict) -> list[SequenceRange]:
-        return split_range(int(start["sequence"]) + 1, int(end["sequence"]), self.opts.num_partitions)
+    def plan(self, start: dict, max_rows: int | None) -> dict:
+        """The next batch's end offset after ``start``: the first ``max_rows``
+        (or all) available messages, up to the AvailableNow target."""
+        opts = self.opts
+        after = int(start["sequence"])
+        incarnation = start.get("incarnation")
+        a = available(opts.endpoint, opts.queue, after, -1 if max_rows is None else max_rows)
+        if incarnation is not None and a["incarnation"] != incarnation:
+            data_loss(opts, f"the queue is not the one the query's offsets are of (incarnation {incarnation}, "
+                            f"read through sequence {after}): it was deleted and declared again, or the broker "
+                            f"restarted (incarnation {a['incarnation']} now); messages of the old queue that the "
+                            f"query had not read are lost")
+            after = 0  # going on: read the new queue from its first message
+            a = available(opts.endpoint, opts.queue, after, -1 if max_rows is None else max_rows)
+        sequences = a["sequences"]
+        limit_to = a["lastSequence"] if self._target is None else min(a["lastSequence"], self._target)
+        if self._target is not None and sequences and max(b for _, b in sequences.ranges()) > limit_to:
+            sequences = RangeSet(r for r in ((f, min(b, limit_to)) for f, b in sequences.ranges()) if r[0] <= r[1])
+        if sequences:
+            through = max(b for _, b in sequences.ranges())
+        else:
+            # Nothing to read: but messages numbered after ``after`` that are not
+            # available are gone (or held by another consumer) all the same.
+            through = max(limit_to, after)
+        missing = RangeSet()
+        if through > after:
+            missing = RangeSet([(after + 1, through)])
+            missing = _minus(missing, sequences)
+        if missing:
+            data_loss(opts, f"sequences {describe(missing)} after the query's offset {after} are not in the "
+                            f"queue (overwritten by a ring queue, or removed or taken by another consumer)")
+        if not sequences and through == after and start.get("read"):
+            # Nothing new, but the batch that ended at ``start`` still holds its
+            # messages: Spark commits a batch only when it plans the next one,
+            # so plan an empty one. Its producers may be held by exactly those
+            # messages; without this the query would wait for them forever.
+            return offset(a["incarnation"], through)
+        if not sequences and through == after:
+            return start if incarnation == a["incarnation"] else offset(a["incarnation"], through)
+        return offset(a["incarnation"], through, sequences)
 
-    def read(self, partition: SequenceRange) -> Iterator[tuple]:
-        return read_range(self.opts, partition.first, partition.last, self.indices)
+    def partitions(self, start: dict, end: dict) -> list[SequenceSet]:
+        incarnation = end.get("incarnation")
+        if incarnation is None:  # an offset from before incarnations: read what is there
+            a = available(self.opts.endpoint, self.opts.queue, int(start["sequence"]), -1)
+            sequences = RangeSet((f, min(b, int(end["sequence"]))) for f, b in a["sequences"].ranges()
+                                 if f <= int(end["sequence"]))
+            return _partitions(self.opts, a["incarnation"], sequences)
+        return _partitions(self.opts, incarnation, RangeSet.from_wire(end.get("read", [])))
+
+    def read(self, partition: SequenceSet) -> Iterator[tuple]:
+        return read_sequences(self.opts, partition.incarnation, RangeSet.from_wire(partition.sequences),
+                              self.indices)
 
     def commit(self, end: dict) -> None:
-        removed = _run(_remove_through, self.opts.endpoint, self.opts.queue, int(end["sequence"]))
-        log.info("qflow: committed queue %r through sequence %s (%d removed)", self.opts.queue, end["sequence"],
-                 removed)
+        read = RangeSet.from_wire(end.get("read", []))
+        incarnation = end.get("incarnation")
+        if not read or incarnation is None:
+            return
+        try:
+            removed = _run(_remove_sequences, self.opts.endpoint, self.opts.queue, incarnation, read)
+        except (qflow.PreconditionFailed, qflow.NotFound) as exc:
+            # The queue those numbers belong to is gone: nothing of another one is removed.
+            log.warning("qflow: commit of queue %r sequences %s removed nothing: %s", self.opts.queue,
+                        describe(read), exc)
+            return
+        log.info("qflow: committed queue %r sequences %s (%d removed)", self.opts.queue, describe(read), removed)
 
     def stop(self) -> None:
         pass
@@ -548,7 +704,8 @@ async def _send_rows(opts: WriteOptions, rows: Iterable[Any], id_prefix: str) ->
     try:
         with trio.fail_after(opts.endpoint.connect_timeout):
             ssn = await conn.session()
-        sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout)
+        sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout,
+                            durable=opts.durable)
         n = 0
         for row in rows:
             body = _get(row, "body")
@@ -665,11 +822,7 @@ class QflowDataSource(DataSource):
         return QflowBatchReader(ReadOptions.parse(self.options), schema)
 
     def streamReader(self, schema: StructType) -> QflowStreamReader:
-        opts = ReadOptions.parse(self.options)
-        if opts.consume:
-            raise QflowOptionError("qflow: option 'consume' is for batch reads; a streaming read removes what it "
-                                   "read when Spark commits each micro-batch")
-        return QflowStreamReader(opts, schema)
+        return QflowStreamReader(ReadOptions.parse(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> QflowBatchWriter:
         _append_only(overwrite, streaming=False)
