@@ -21,8 +21,8 @@ import pytest
 import trio  # noqa: E402
 
 import qflow  # noqa: E402
-from qflow.spark import QflowDataSource, register  # noqa: E402
 from qflow.protocol.ranges import RangeSet  # noqa: E402
+from qflow.spark import QflowDataSource, register  # noqa: E402
 from qflow.spark.datasource import (  # noqa: E402
     ReadOptions,
     SequenceSet,
@@ -455,3 +455,247 @@ def test_write_and_read_with_credentials_on_an_authenticating_broker(spark: Any,
             read(spark, broker, "secured").collect()
     finally:
         d.stop()
+
+
+# -- issue 15: no silent loss, no hang, persistent writes ------------------------------
+def available_now(spark: Any, broker: str, source: str, sink: str, checkpoint: str, **options: str) -> Any:
+    """A streaming copy of ``source``'s bodies to ``sink`` with default options
+    (no maxMessagesPerTrigger) and Trigger.AvailableNow."""
+    df = spark.readStream.format("qflow").option("broker", broker).option("queue", source).options(**options).load()
+    return df.select("body").writeStream.format("qflow").option("broker", broker).option("queue", sink) \
+        .option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
+
+
+def fails_with_data_loss(query: Any, queue: str, *texts: str) -> None:
+    with pytest.raises(Exception) as info:  # Spark wraps it: StreamingQueryException
+        query.awaitTermination(180)
+    message = str(info.value)
+    assert f"data loss on queue {queue!r}" in message and "failOnDataLoss=false" in message, message
+    for text in texts:
+        assert text in message, message
+
+
+def bodies(daemon: Daemon, queue: str) -> list[bytes]:
+    return [m.body for m in browse(daemon, queue)]
+
+
+def wait_until(predicate: Any, what: str, timeout: float = 300) -> None:
+    """Poll until ``predicate()``: room for a slow machine, never a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting ({timeout:.0f} s) for {what}"
+        time.sleep(0.2)
+
+
+def test_flow_controlled_source_with_default_options_does_not_hang_its_producer(spark: Any, daemon: Daemon,
+                                                                                 broker: str, tmp_path: Any) -> None:
+    """Issue 15's hang: a stateless query with default options (no
+    maxMessagesPerTrigger, the default trigger) on a source whose producer is
+    flow-controlled. The batch that read the held messages must be committed
+    although no new message can arrive: every one of 3000 messages arrives."""
+    n = 3000
+    declare(daemon, "hang-in", **{"qpid.flow_stop_count": 500, "qpid.flow_resume_count": 400})
+    declare(daemon, "hang-out")
+    done: dict[str, Any] = {}
+
+    def produce() -> None:
+        async def main() -> None:
+            with trio.fail_after(300):
+                async with qflow.open_connection("127.0.0.1", daemon.port) as conn:
+                    sender = (await conn.session()).sender("hang-in", capacity=50)
+                    for i in range(n):
+                        await sender.send(b"h%d" % i)
+                    await sender.sync()
+
+        try:
+            trio.run(main)
+            done["ok"] = True
+        except BaseException as exc:  # reported below
+            done["error"] = exc
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    query = spark.readStream.format("qflow").option("broker", broker).option("queue", "hang-in").load() \
+        .select("body").writeStream.format("qflow").option("broker", broker).option("queue", "hang-out") \
+        .option("checkpointLocation", str(tmp_path / "ckpt")).start()
+    try:
+        wait_until(lambda: stats(daemon, "hang-out")["msgDepth"] == n or not query.isActive,
+                   "every message to arrive in hang-out")
+        assert query.isActive, query.exception()
+        producer.join(timeout=120)
+        assert done.get("ok"), done
+        wait_until(lambda: stats(daemon, "hang-in")["msgDepth"] == 0, "the last batch to be committed")
+    finally:
+        query.stop()
+    assert sorted(bodies(daemon, "hang-out")) == sorted(b"h%d" % i for i in range(n))
+    assert stats(daemon, "hang-in")["flowStoppedCount"] >= 1  # the producer was held on the way
+
+
+def test_queue_deleted_and_declared_again_is_reported_not_deleted_unread(spark: Any, daemon: Daemon, broker: str,
+                                                                        tmp_path: Any) -> None:
+    """Issue 15: "A queue deleted and re-declared: 100 of 150 new messages
+    deleted unread." The query's offsets belong to the old queue: by default
+    the query fails naming the queue and the incarnation, and nothing of the
+    new queue is removed; with failOnDataLoss=false it reads the new queue
+    from its first message."""
+    declare(daemon, "inc-in", "inc-out")
+    send(daemon, "inc-in", [f"old{i}" for i in range(50)])
+    checkpoint = str(tmp_path / "ckpt")
+    assert available_now(spark, broker, "inc-in", "inc-out", checkpoint).awaitTermination(180)
+    assert stats(daemon, "inc-in")["msgDepth"] == 0
+    old = stats(daemon, "inc-in")["incarnation"]
+
+    on_broker(daemon, lambda ssn: ssn.delete_queue("inc-in"))
+    declare(daemon, "inc-in")
+    send(daemon, "inc-in", [f"new{i}" for i in range(150)])
+    fails_with_data_loss(available_now(spark, broker, "inc-in", "inc-out", checkpoint), "inc-in",
+                         f"incarnation {old}", "read through sequence 50")
+    assert stats(daemon, "inc-in")["msgDepth"] == 150  # nothing removed
+    assert len(bodies(daemon, "inc-out")) == 50
+
+    assert available_now(spark, broker, "inc-in", "inc-out", checkpoint, failOnDataLoss="false") \
+        .awaitTermination(180)
+    assert sorted(bodies(daemon, "inc-out")[50:]) == sorted(f"new{i}".encode() for i in range(150))
+    assert stats(daemon, "inc-in")["msgDepth"] == 0
+
+
+def test_messages_another_consumer_holds_are_reported_and_never_removed_unread(spark: Any, daemon: Daemon,
+                                                                              broker: str, tmp_path: Any) -> None:
+    """Issue 15: "Messages released by another consumer: 20 of 260 lost."
+    Another consumer holds sequences 101..120 while the query plans: a gap in
+    what it can read. By default the query fails naming them; with
+    failOnDataLoss=false it reads the rest, and the 20, released afterwards,
+    are still in the queue: the commit removed exactly what was read."""
+    declare(daemon, "rel-in", "rel-out")
+    send(daemon, "rel-in", [f"a{i}" for i in range(100)])
+    checkpoint = str(tmp_path / "ckpt")
+    assert available_now(spark, broker, "rel-in", "rel-out", checkpoint).awaitTermination(180)
+    send(daemon, "rel-in", [f"b{i}" for i in range(160)])  # sequences 101..260
+
+    holding, release, state = threading.Event(), threading.Event(), {}
+
+    def hold() -> None:  # another consumer: acquires 20, accepts none, then lets them go
+        async def main() -> None:
+            async with qflow.open_connection("127.0.0.1", daemon.port) as conn:
+                receiver = await (await conn.session()).receiver("rel-in", capacity=20, accept="explicit")
+                with trio.fail_after(60):
+                    while receiver.available() < 20:
+                        await trio.sleep(0.01)
+                holding.set()
+                await trio.to_thread.run_sync(release.wait)
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported below
+            state["error"] = exc
+        holding.set()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert holding.wait(60) and "error" not in state, state
+        fails_with_data_loss(available_now(spark, broker, "rel-in", "rel-out", checkpoint), "rel-in",
+                             "sequences 101..120")
+        assert stats(daemon, "rel-in")["msgDepth"] == 160
+        assert available_now(spark, broker, "rel-in", "rel-out", checkpoint, failOnDataLoss="false") \
+            .awaitTermination(180)
+        assert sorted(bodies(daemon, "rel-out")[100:]) == sorted(f"b{i}".encode() for i in range(20, 160))
+    finally:
+        release.set()
+        holder.join(timeout=60)
+    assert "error" not in state, state
+    wait_until(lambda: stats(daemon, "rel-in")["msgDepth"] == 20, "the released messages to be back")
+    back = browse(daemon, "rel-in")
+    assert [m.sequence for m in back] == list(range(101, 121))
+    assert [m.body for m in back] == [f"b{i}".encode() for i in range(20)]
+
+
+def test_ring_queue_overwrites_are_reported_not_skipped_silently(spark: Any, daemon: Daemon, broker: str,
+                                                                tmp_path: Any) -> None:
+    """Issue 15: "Ring-queue overwrites: skipped silently." A ring queue of 50
+    overwrote sequences 11..60 before the query read them: by default the
+    query fails naming them; with failOnDataLoss=false it reads 61..110."""
+    declare(daemon, "ring-in", **{"qpid.max_count": 50, "qpid.policy_type": "ring"})
+    declare(daemon, "ring-out")
+    send(daemon, "ring-in", [f"r{i}" for i in range(1, 11)])
+    checkpoint = str(tmp_path / "ckpt")
+    assert available_now(spark, broker, "ring-in", "ring-out", checkpoint).awaitTermination(180)
+    send(daemon, "ring-in", [f"r{i}" for i in range(11, 111)])
+    assert stats(daemon, "ring-in")["firstSequence"] == 61
+    fails_with_data_loss(available_now(spark, broker, "ring-in", "ring-out", checkpoint), "ring-in",
+                         "sequences 11..60")
+    assert available_now(spark, broker, "ring-in", "ring-out", checkpoint, failOnDataLoss="false") \
+        .awaitTermination(180)
+    assert bodies(daemon, "ring-out") == [f"r{i}".encode() for i in (*range(1, 11), *range(61, 111))]
+
+
+def test_starting_offsets_latest_leaves_the_backlog_alone(spark: Any, daemon: Daemon, broker: str,
+                                                         tmp_path: Any) -> None:
+    """Issue 15: "startingOffsets=latest deletes the backlog it skipped." The
+    query reads only what arrives after it started, and its commits remove
+    exactly that: the 40 messages of the backlog stay."""
+    declare(daemon, "late-in", "late-out")
+    send(daemon, "late-in", [f"backlog{i}" for i in range(40)])
+    spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "100")
+    try:
+        query = spark.readStream.format("qflow").option("broker", broker).option("queue", "late-in") \
+            .option("startingOffsets", "latest").load().select("body").writeStream.format("qflow") \
+            .option("broker", broker).option("queue", "late-out") \
+            .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(processingTime="200 milliseconds").start()
+        try:
+            # A progress report means the first trigger ran: the starting point is set.
+            wait_until(lambda: query.lastProgress is not None or not query.isActive, "the query's first trigger")
+            send(daemon, "late-in", [f"new{i}" for i in range(10)])
+            wait_until(lambda: stats(daemon, "late-in")["msgDepth"] == 40 or not query.isActive,
+                       "the new messages to be read and committed")
+            assert query.isActive, query.exception()
+        finally:
+            query.stop()
+    finally:
+        spark.conf.unset("spark.sql.streaming.noDataProgressEventInterval")
+    assert bodies(daemon, "late-out") == [f"new{i}".encode() for i in range(10)]
+    assert bodies(daemon, "late-in") == [f"backlog{i}".encode() for i in range(40)]
+
+
+def test_consume_option_is_refused_and_removes_nothing(spark: Any, daemon: Daemon, broker: str) -> None:
+    """Issue 15: "consume=true lost all 1000 messages when a later step of the
+    job failed." Spark's batch reader has no commit, so the option goes: it is
+    refused with the way to do it safely, and nothing is removed."""
+    declare(daemon, "consume-in")
+    send(daemon, "consume-in", [f"c{i}" for i in range(20)])
+    with pytest.raises(Exception, match="'consume' is not supported") as info:
+        read(spark, broker, "consume-in", consume="true").collect()
+    assert "availableNow" in str(info.value)
+    assert stats(daemon, "consume-in")["msgDepth"] == 20
+
+
+def test_durable_writer_option_makes_messages_persistent(spark: Any) -> None:
+    """The durable-store issue: "A message is persistent when its sender marks
+    it so: ... and the Spark writer's option". Written with durable=true to a
+    durable queue, 50 messages come back after qflowd is killed (-9) and
+    restarted on its data directory; written without it, they do not."""
+    first = start_qflowd()
+    second = None
+    try:
+        async def topology(ssn: qflow.Session) -> None:
+            await ssn.declare_queue("kept", durable=True)
+            await ssn.declare_queue("not-kept", durable=True)
+
+        on_broker(first, topology)
+        url = f"127.0.0.1:{first.port}"
+        df = spark.createDataFrame([(f"p{i}",) for i in range(50)], "body string").repartition(2)
+        df.write.format("qflow").option("broker", url).option("queue", "kept").option("durable", "true") \
+            .mode("append").save()
+        df.write.format("qflow").option("broker", url).option("queue", "not-kept").mode("append").save()
+        assert (stats(first, "kept")["msgDepth"], stats(first, "not-kept")["msgDepth"]) == (50, 50)
+        first.kill()
+        first.proc.wait(timeout=30)
+        second = start_qflowd("--data-dir", first.own_data_dir)
+        kept = browse(second, "kept")
+        assert sorted(m.body for m in kept) == sorted(f"p{i}".encode() for i in range(50))
+        assert all(m.redelivered for m in kept)
+        assert stats(second, "not-kept")["msgDepth"] == 0  # transient: gone with the broker
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
