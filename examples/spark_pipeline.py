@@ -339,13 +339,12 @@ def run(args: argparse.Namespace, broker: str) -> bool:
             time.sleep(0.5)
         else:
             raise RuntimeError(f"gave up after {args.timeout:g} s (--timeout)")
+        # Spark tells a source to commit a batch when it plans the next one; the
+        # source plans an empty batch after the last one, so the query commits
+        # (removes) everything it read by itself.
+        while time.monotonic() < deadline and on_broker(broker, _stats, "orders")[0]["msgDepth"]:
+            time.sleep(0.5)
         query.stop()
-        # Spark tells a source to commit a batch when it plans the next one;
-        # the query is over, so commit its last batch here.
-        from qflow.spark import remove_through
-
-        if last_end is not None:
-            remove_through(broker, "orders", last_end)
         consumer.stop.set()
         while time.monotonic() < deadline:
             revenue = on_broker(broker, _stats, "revenue")[0]
