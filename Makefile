@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 5672
 MGMT_PORT ?= 8672
 
-.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store clean
+.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store bench-spark clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench: $(STAMP)
 
 bench-smoke: $(STAMP)
 	$(PY) bench/run.py --smoke
+
+# The Spark data source's throughput beside the broker alone (bench/spark.py); SPARK_BENCH_ARGS=--quick: seconds
+bench-spark: $(STAMP)
+	$(PY) bench/spark.py $(SPARK_BENCH_ARGS)
 
 # Side by side with RabbitMQ (bench/README.md). Installs Debian's rabbitmq-server with apt-get if missing
 # (root). The AMQP client libraries go into the venv for the benchmark only: they are not qflow dependencies.

@@ -1,0 +1,173 @@
+"""The Spark data source's throughput: ``make bench-spark`` (``--quick``: seconds).
+
+One qflowd (its own temporary data directory, loopback, free ports) and one
+local[2] SparkSession. Each workload moves N messages of 64 bytes:
+
+* ``broker_alone``: one client sends them with send_many and another fetches
+  them with fetch_many (the ceiling the connector works under);
+* ``batch_write``: ``df.write.format("qflow")`` of N rows;
+* ``batch_read``: ``spark.read.format("qflow")`` of N messages, every body
+  summed so that nothing is pruned;
+* ``streaming``: qflow -> Spark -> qflow, a streaming copy of N queued
+  messages to another queue (Trigger.AvailableNow), until every message is
+  on the output queue and the input queue is empty.
+
+Figures drift on shared machines: compare the ratios to ``broker_alone`` of
+one run. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import trio
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import qflow  # noqa: E402
+from qflow import testing as qflowd  # noqa: E402
+
+BODY = b"x" * 64
+GOALS = {"streaming": 100_000, "batch_read": 200_000, "batch_write": 200_000}  # msg/s on two cores
+
+
+def on_broker(port: int, fn, *args):
+    async def main():
+        async with qflow.open_connection("127.0.0.1", port) as conn:
+            return await fn(await conn.session(), *args)
+
+    return trio.run(main)
+
+
+async def _declare(ssn: qflow.Session, *names: str) -> None:
+    for name in names:
+        await ssn.declare_queue(name)
+
+
+async def _depth(ssn: qflow.Session, name: str) -> int:
+    return (await ssn.query_queue(name))["msgDepth"]
+
+
+async def _fill(ssn: qflow.Session, name: str, n: int) -> None:
+    sender = ssn.sender(name, capacity=2000)
+    left = n
+    while left:
+        k = min(left, 10_000)
+        await sender.send_many([BODY] * k)
+        left -= k
+    await sender.sync()
+
+
+async def _drain(ssn: qflow.Session, name: str, n: int) -> None:
+    receiver = await ssn.receiver(name, capacity=5000, accept="none")
+    got = 0
+    while got < n:
+        got += len(await receiver.fetch_many(timeout=60))
+
+
+def broker_alone(port: int, n: int) -> float:
+    on_broker(port, _declare, "alone")
+    t0 = time.perf_counter()
+
+    async def both(ssn: qflow.Session) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_fill, ssn, "alone", n)
+            nursery.start_soon(_drain, ssn, "alone", n)
+
+    on_broker(port, both)
+    return n / (time.perf_counter() - t0)
+
+
+def spark_session():
+    from pyspark.sql import SparkSession
+
+    from qflow.spark import register
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    spark = (SparkSession.builder.master("local[2]").appName("qflow-bench-spark")
+             .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
+
+
+def batch_write(spark, broker: str, port: int, n: int, queue: str = "bw") -> float:
+    from pyspark.sql.functions import expr
+
+    on_broker(port, _declare, queue)
+    df = spark.range(n, numPartitions=2).select(expr("repeat('x', 64)").cast("binary").alias("body")).cache()
+    df.count()  # build the rows first: time the writing only
+    t0 = time.perf_counter()
+    df.write.format("qflow").option("broker", broker).option("queue", queue).mode("append").save()
+    rate = n / (time.perf_counter() - t0)
+    df.unpersist()
+    assert on_broker(port, _depth, queue) == n
+    return rate
+
+
+def batch_read(spark, broker: str, port: int, n: int) -> float:
+    on_broker(port, _declare, "br")
+    on_broker(port, _fill, "br", n)
+    t0 = time.perf_counter()
+    row = spark.read.format("qflow").option("broker", broker).option("queue", "br").option("numPartitions", "2") \
+        .load().selectExpr("count(*) AS n", "sum(length(body)) AS bytes").collect()[0]
+    rate = n / (time.perf_counter() - t0)
+    assert (row.n, row.bytes) == (n, n * len(BODY)), row
+    return rate
+
+
+def streaming(spark, broker: str, port: int, n: int) -> float:
+    on_broker(port, _declare, "st-in", "st-out")
+    on_broker(port, _fill, "st-in", n)
+    checkpoint = tempfile.mkdtemp(prefix="qflow-bench-spark-")
+    t0 = time.perf_counter()
+    query = spark.readStream.format("qflow").option("broker", broker).option("queue", "st-in") \
+        .option("numPartitions", "2").load().select("body").writeStream.format("qflow") \
+        .option("broker", broker).option("queue", "st-out").option("checkpointLocation", checkpoint) \
+        .trigger(availableNow=True).start()
+    query.awaitTermination()
+    rate = n / (time.perf_counter() - t0)
+    assert on_broker(port, _depth, "st-out") == n and on_broker(port, _depth, "st-in") == 0
+    return rate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=300_000, help="messages per workload")
+    p.add_argument("--quick", action="store_true", help="20,000 messages per workload")
+    args = p.parse_args()
+    n = 20_000 if args.quick else args.messages
+    daemon = qflowd.start("--no-data-dir")
+    spark = None
+    try:
+        broker = f"127.0.0.1:{daemon.port}"
+        results = {"messages": n, "body_bytes": len(BODY), "broker_alone": broker_alone(daemon.port, n)}
+        print(f"broker alone: {results['broker_alone']:,.0f} msg/s", flush=True)
+        spark = spark_session()
+        batch_write(spark, broker, daemon.port, min(n, 20_000), "warm-up")  # warm up Spark and its Python workers
+        for name, fn in (("batch_write", batch_write), ("batch_read", batch_read), ("streaming", streaming)):
+            results[name] = fn(spark, broker, daemon.port, n)
+            print(f"{name}: {results[name]:,.0f} msg/s ({results[name] / results['broker_alone']:.2f} of the "
+                  f"broker alone; goal {GOALS[name]:,})", flush=True)
+        results["ratios"] = {k: round(results[k] / results["broker_alone"], 3) for k in GOALS}
+        results["goals_met"] = {k: results[k] >= v for k, v in GOALS.items()}
+        for k in ("broker_alone", *GOALS):
+            results[k] = round(results[k])
+    finally:
+        if spark is not None:
+            spark.stop()
+        daemon.stop()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
