@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -76,7 +78,6 @@ DEFAULT_BROKER = "127.0.0.1:5672"
 DEFAULT_CAPACITY = 1000
 MAX_PARTITIONS = 8  # default split of a range: one partition per ...
 MESSAGES_PER_PARTITION = 10_000  # ... this many messages, at most MAX_PARTITIONS
-CHUNK = 5000  # messages browsed per connection while a task reads its range
 
 # Local properties Spark sets on every task of a streaming micro-batch.
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
@@ -401,106 +402,224 @@ def split_sequences(sequences: RangeSet, parts: int | None, per_part: int = MESS
     return out
 
 
-def _row(m: qflow.ReceivedMessage) -> tuple:
-    headers = m.headers
-    if headers:
-        headers = {str(k): (v if v is None or isinstance(v, str) else str(v)) for k, v in headers.items()}
-    else:
-        headers = None
-    return (m.body, m.routing_key, m.exchange, m.message_id, m.correlation_id, m.content_type, headers,
-            m.sequence, bool(m.redelivered))
-
-
 POLL = 0.2  # seconds a reading task waits for its next message before asking the broker what is left
+BATCH_ROWS = 4096  # rows per Arrow batch a reading task hands to Spark ...
+BATCH_BYTES = 4 << 20  # ... or fewer, once their bodies reach this many bytes
+READ_CAPACITY = 2000  # a reading task's credit window (messages in flight to it)
 
 
-async def _read_chunk(opts: ReadOptions, incarnation: str, wanted: RangeSet) -> tuple[list[tuple], RangeSet]:
-    """Browse exactly the messages numbered in ``wanted`` of ``incarnation`` of
-    ``opts.queue``. Returns (their rows, the wanted numbers that are gone)."""
-    rows: list[tuple] = []
-    got = RangeSet()
-    last = max(b for _, b in wanted.ranges())
+class _Columns:
+    """One Arrow batch's worth of messages, column by column."""
+
+    __slots__ = ("cols", "nbytes")
+
+    def __init__(self) -> None:
+        self.cols: tuple[list, ...] = tuple([] for _ in COLUMNS)
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.cols[7])
+
+    def add(self, m: qflow.ReceivedMessage, seq: int) -> None:
+        body, rk, ex, mid, cid, ct, hdr, sq, red = self.cols
+        props = m.properties  # decodes the message's fields once
+        b = m.body
+        body.append(b)
+        self.nbytes += len(b)
+        ex.append(m.exchange)
+        rk.append(m.routing_key)
+        mid.append(props.get("message_id"))
+        cid.append(props.get("correlation_id"))
+        ct.append(props.get("content_type"))
+        headers = props.get("headers")
+        hdr.append({str(k): (v if v is None or isinstance(v, str) else str(v)) for k, v in headers.items()}
+                   if headers else None)
+        sq.append(seq)
+        red.append(m.redelivered)
+
+    def batch(self, indices: list[int] | None) -> Any:
+        import pyarrow as pa
+
+        types = _arrow_types()
+        which = range(len(COLUMNS)) if indices is None else indices
+        return pa.RecordBatch.from_arrays([pa.array(self.cols[i], types[i]) for i in which],
+                                          names=[COLUMNS[i] for i in which])
+
+
+def _arrow_types() -> tuple:
+    import pyarrow as pa
+
+    s = pa.string()
+    return (pa.binary(), s, s, s, s, s, pa.map_(s, s), pa.int64(), pa.bool_())
+
+
+def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
+    out = RangeSet()
+    for first, last in a.ranges():
+        for s in range(first, last + 1):
+            if s not in b:
+                out.add(s)
+    return out
+
+
+async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str, wanted: RangeSet,
+                         emit: Any) -> RangeSet:
+    """Browse exactly the messages numbered in ``wanted`` of ``incarnation``,
+    handing them to ``emit`` in batches. Returns the wanted numbers that are gone."""
+    with trio.fail_after(opts.endpoint.connect_timeout):
+        head = await ssn.available(opts.queue, 0, 0)
+    if head["incarnation"] != incarnation:
+        return wanted
+    pending = wanted
+    gone = RangeSet()
+    while pending:
+        ranges = list(pending.ranges())
+        n = len(ranges)
+        start, last = ranges[0][0], ranges[-1][1]
+        with trio.fail_after(opts.endpoint.connect_timeout):
+            receiver = await ssn.receiver(opts.queue, browse=True, start_sequence=start,
+                                          capacity=max(1, min(len(pending), READ_CAPACITY)))
+        # A cursor over the wanted numbers: the browser delivers in sequence
+        # order, so each message is compared with the next wanted number only.
+        ri = 0
+        nxt, hi = ranges[0]
+        skipped = RangeSet()  # wanted numbers the browser went past: gone, or held by another consumer
+        cols = _Columns()
+        while ri < n:
+            try:
+                delivered = await receiver.fetch_many(timeout=POLL)
+            except qflow.Empty:
+                break
+            for m in delivered:
+                seq = m.sequence
+                if seq < nxt:
+                    continue
+                while seq > hi:
+                    skipped.add_range(nxt, hi)
+                    ri += 1
+                    if ri == n:
+                        break
+                    nxt, hi = ranges[ri]
+                if ri == n:
+                    break
+                if seq < nxt:
+                    continue
+                if seq > nxt:
+                    skipped.add_range(nxt, seq - 1)
+                cols.add(m, seq)
+                nxt = seq + 1
+                if nxt > hi:
+                    ri += 1
+                    if ri == n:
+                        break
+                    nxt, hi = ranges[ri]
+            if len(cols) >= BATCH_ROWS or cols.nbytes >= BATCH_BYTES:
+                await emit(cols)
+                cols = _Columns()
+        if len(cols):
+            await emit(cols)
+        if ri < n:  # nothing more came: the rest of the wanted numbers are not here (yet)
+            skipped.add_range(nxt, hi)
+            for r in ranges[ri + 1:]:
+                skipped.add_range(*r)
+        with trio.fail_after(opts.endpoint.connect_timeout):
+            await receiver.close()
+        if not skipped:
+            break
+        # Ask which of them are still there. A message another consumer held
+        # while the browser passed and has since released is behind the
+        # browser's cursor: browse again from the first such one. The others are gone.
+        with trio.fail_after(opts.endpoint.connect_timeout):
+            now = await ssn.available(opts.queue, start - 1, last - start + 1)
+        if now["incarnation"] != incarnation:
+            gone.update(skipped)
+            break
+        pending = RangeSet()
+        for first, end in skipped.ranges():
+            for seq in range(first, end + 1):
+                (pending if seq in now["sequences"] else gone).add(seq)
+    return gone
+
+
+async def _read_task(opts: ReadOptions, incarnation: str, sequences: RangeSet, indices: list[int] | None,
+                     put: Any) -> None:
+    """A reading task's one connection: every message numbered in ``sequences``,
+    as Arrow batches handed to ``put`` (blocking, in a thread: memory stays
+    bounded by what Spark has not taken yet)."""
+    async def emit(cols: _Columns) -> None:
+        await trio.to_thread.run_sync(put, cols.batch(indices))
+
     conn = await opts.endpoint.connect()
     try:
         with trio.fail_after(opts.endpoint.connect_timeout):
             ssn = await conn.session()
         try:
-            return await _browse_wanted(opts, ssn, incarnation, wanted, rows, got, last)
+            gone = await _browse_wanted(opts, ssn, incarnation, sequences, emit)
         except qflow.NotFound:  # the queue was deleted under the read
-            return rows, _minus(wanted, got)
+            gone = sequences
     finally:
         await conn.close()
+    if gone:
+        data_loss(opts, f"sequences {describe(gone)}, planned for this read, are no longer in the queue "
+                        f"(overwritten by a ring queue, removed or taken by another consumer, or the queue was "
+                        f"deleted: incarnation {incarnation})")
 
 
-async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str, wanted: RangeSet,
-                         rows: list[tuple], got: RangeSet, last: int) -> tuple[list[tuple], RangeSet]:
-    total = len(wanted)
-    with trio.fail_after(opts.endpoint.connect_timeout):
-        head = await ssn.available(opts.queue, 0, 0)
-    if head["incarnation"] != incarnation:
-        return rows, wanted
-    start = next(wanted.ranges())[0]
-    while len(got) < total:
-        with trio.fail_after(opts.endpoint.connect_timeout):
-            receiver = await ssn.receiver(opts.queue, browse=True, start_sequence=start,
-                                          capacity=max(1, min(total, 1000)))
-        past_end = False
-        while len(got) < total and not past_end:
-            try:
-                batch = await receiver.fetch_many(timeout=POLL)
-            except qflow.Empty:
-                break
-            for m in batch:
-                seq = m.sequence
-                if seq > last:
-                    past_end = True
-                elif seq in wanted and seq not in got:
-                    got.add(seq)
-                    rows.append(_row(m))
-        if len(got) == total:
-            break
-        # The browser went past some wanted numbers, or nothing came: ask which
-        # are still there. A message another consumer held while the browser
-        # passed and has since released is behind the browser's cursor: browse
-        # again from the first such one. The others are gone.
-        with trio.fail_after(opts.endpoint.connect_timeout):
-            await receiver.close()
-            now = await ssn.available(opts.queue, start - 1, last - start + 1)
-        if now["incarnation"] != incarnation:
-            return rows, _minus(wanted, got)
-        left = [s for s in _minus(wanted, got) if s in now["sequences"]]
-        if not left:
-            return rows, _minus(wanted, got)
-        start = left[0]
-    return rows, RangeSet()
-
-
-def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
-    out = RangeSet()
-    for s in a:
-        if s not in b:
-            out.add(s)
-    return out
+_DONE = object()
 
 
 def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
-                   indices: list[int] | None = None) -> Iterator[tuple]:
-    """Every message numbered in ``sequences`` (of ``incarnation``), browsed a
-    chunk per connection so memory stays bounded. A planned message that is
-    gone is data loss (failOnDataLoss)."""
-    for chunk in split_sequences(sequences, None, CHUNK):
-        if len(chunk) == 0:
-            continue
-        rows, missing = _run(_read_chunk, opts, incarnation, chunk)
-        if missing:
-            data_loss(opts, f"sequences {describe(missing)}, planned for this read, are no longer in the queue "
-                            f"(overwritten by a ring queue, removed or taken by another consumer, or the queue "
-                            f"was deleted: incarnation {incarnation})")
-        if indices is None:
-            yield from rows
-        else:
-            for r in rows:
-                yield tuple(r[i] for i in indices)
+                   indices: list[int] | None = None) -> Iterator[Any]:
+    """Every message numbered in ``sequences`` (of ``incarnation``), as Arrow
+    record batches. One connection for the whole task, run by a thread of its
+    own: at most two batches wait for Spark to take them. A planned message
+    that is gone is data loss (failOnDataLoss)."""
+    if not sequences:
+        return
+    handoff: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def put(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        raise _Stopped()
+
+    def run() -> None:
+        try:
+            trio.run(_read_task, opts, incarnation, sequences, indices, put)
+            result: Any = _DONE
+        except _Stopped:
+            return
+        except BaseException as exc:  # handed to the task's thread, which raises it
+            result = exc
+        while not stop.is_set():
+            try:
+                handoff.put(result, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    thread = threading.Thread(target=run, name=f"qflow-read-{opts.queue}", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = handoff.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=opts.endpoint.connect_timeout + 5)
+
+
+class _Stopped(Exception):
+    """Spark stopped taking a task's rows (a limit, a failure): the reader thread ends."""
 
 
 def _indices(schema: StructType) -> list[int] | None:
