@@ -47,6 +47,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 import qflow
+from qflow.client.message import columns as message_columns
 from qflow.protocol.ranges import RangeSet
 
 try:  # pyspark >= 4.2: admission control and Trigger.AvailableNow for Python sources
@@ -411,31 +412,37 @@ READ_CAPACITY = 2000  # a reading task's credit window (messages in flight to it
 class _Columns:
     """One Arrow batch's worth of messages, column by column."""
 
-    __slots__ = ("cols", "nbytes")
+    __slots__ = ("cols", "nbytes", "rows")
 
     def __init__(self) -> None:
         self.cols: tuple[list, ...] = tuple([] for _ in COLUMNS)
         self.nbytes = 0
+        self.rows = 0
 
     def __len__(self) -> int:
-        return len(self.cols[7])
+        return self.rows
 
-    def add(self, m: qflow.ReceivedMessage, seq: int) -> None:
+    def add(self, messages: list[qflow.ReceivedMessage]) -> None:
         body, rk, ex, mid, cid, ct, hdr, sq, red = self.cols
-        props = m.properties  # decodes the message's fields once
-        b = m.body
-        body.append(b)
-        self.nbytes += len(b)
-        ex.append(m.exchange)
-        rk.append(m.routing_key)
-        mid.append(props.get("message_id"))
-        cid.append(props.get("correlation_id"))
-        ct.append(props.get("content_type"))
-        headers = props.get("headers")
-        hdr.append({str(k): (v if v is None or isinstance(v, str) else str(v)) for k, v in headers.items()}
-                   if headers else None)
-        sq.append(seq)
-        red.append(m.redelivered)
+        bodies, exchanges, keys, props, seqs, redelivered = message_columns(messages)
+        body += bodies
+        self.nbytes += sum(map(len, bodies))
+        self.rows += len(bodies)
+        ex += exchanges
+        rk += keys
+        sq += seqs
+        red += redelivered
+        if not any(props):  # the usual case: no properties at all
+            nones = [None] * len(bodies)
+            mid += nones
+            cid += nones
+            ct += nones
+            hdr += nones
+            return
+        mid += [p.get("message_id") for p in props]
+        cid += [p.get("correlation_id") for p in props]
+        ct += [p.get("content_type") for p in props]
+        hdr += [_headers(p.get("headers")) for p in props]
 
     def batch(self, indices: list[int] | None) -> Any:
         import pyarrow as pa
@@ -444,6 +451,12 @@ class _Columns:
         which = range(len(COLUMNS)) if indices is None else indices
         return pa.RecordBatch.from_arrays([pa.array(self.cols[i], types[i]) for i in which],
                                           names=[COLUMNS[i] for i in which])
+
+
+def _headers(headers: dict | None) -> dict[str, str | None] | None:
+    if not headers:
+        return None
+    return {str(k): (v if v is None or isinstance(v, str) else str(v)) for k, v in headers.items()}
 
 
 def _arrow_types() -> tuple:
@@ -490,6 +503,7 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
                 delivered = await receiver.fetch_many(timeout=POLL)
             except qflow.Empty:
                 break
+            taken: list[qflow.ReceivedMessage] = []
             for m in delivered:
                 seq = m.sequence
                 if seq < nxt:
@@ -506,13 +520,14 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
                     continue
                 if seq > nxt:
                     skipped.add_range(nxt, seq - 1)
-                cols.add(m, seq)
+                taken.append(m)
                 nxt = seq + 1
                 if nxt > hi:
                     ri += 1
                     if ri == n:
                         break
                     nxt, hi = ranges[ri]
+            cols.add(taken)
             if len(cols) >= BATCH_ROWS or cols.nbytes >= BATCH_BYTES:
                 await emit(cols)
                 cols = _Columns()
