@@ -159,8 +159,11 @@ def columns(messages: Sequence[ReceivedMessage]) -> tuple[list[bytes], list[str]
         bodies.append(blob[end_head:offsets[j + 2]])
         head = blob[start + ENTRY_HEAD_SIZE:end_head]
         if head != last_head:
+            before = unpacker.tell()
             unpacker.feed(head)
             fields = (unpacker.unpack(), unpacker.unpack(), unpacker.unpack() or {})
+            # What is left of the slice is the body's bin header: drop it.
+            unpacker.read_bytes(len(head) - (unpacker.tell() - before))
             last_head = head
         exchanges.append(fields[0])
         keys.append(fields[1])
