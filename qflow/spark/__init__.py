@@ -1,6 +1,6 @@
 """qflow for Spark: ``format("qflow")`` as a PySpark Python data source.
 
-Install with ``pip install 'qflow[spark]'`` (pyspark >= 4.0 and pyarrow), then::
+Install with ``pip install 'qflow[spark]'`` (pyspark >= 4.2 and pyarrow), then::
 
     from qflow.spark import register
     register(spark)
@@ -12,7 +12,7 @@ See docs/spark.md for the options, the schema and the delivery guarantees.
 try:
     import pyspark  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("qflow.spark needs pyspark>=4.0 and pyarrow: pip install 'qflow[spark]'") from exc
+    raise ImportError("qflow.spark needs pyspark>=4.2 and pyarrow: pip install 'qflow[spark]'") from exc
 
 from qflow.spark.datasource import (
     COLUMNS,

@@ -1,4 +1,4 @@
-"""qflow as a PySpark Python data source (pyspark >= 4.0): batch and streaming, read and write.
+"""qflow as a PySpark Python data source (pyspark >= 4.2): batch and streaming, read and write.
 
     from qflow.spark import register
     register(spark)
@@ -37,10 +37,10 @@ from typing import Any
 import trio
 from pyspark.sql.datasource import (
     DataSource,
+    DataSourceArrowWriter,
     DataSourceReader,
+    DataSourceStreamArrowWriter,
     DataSourceStreamReader,
-    DataSourceStreamWriter,
-    DataSourceWriter,
     InputPartition,
     WriterCommitMessage,
 )
@@ -823,14 +823,22 @@ def _task() -> tuple[int, str | None, str | None]:
     return ctx.partitionId(), ctx.getLocalProperty(BATCH_ID_PROPERTY), ctx.getLocalProperty(QUERY_ID_PROPERTY)
 
 
-def _get(row: Any, name: str) -> Any:
-    try:
-        return row[name]
-    except (KeyError, ValueError, IndexError):
-        return None
+def _body_column(column: Any) -> list[bytes]:
+    import pyarrow as pa
+
+    values = column.to_pylist()
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return [b"" if v is None else v.encode() for v in values]
+    return [b"" if v is None else v for v in values]
 
 
-async def _send_rows(opts: WriteOptions, rows: Iterable[Any], id_prefix: str) -> int:
+def _headers_column(column: Any) -> list[dict[str, Any] | None]:
+    # A map column comes out of Arrow as lists of (key, value) pairs.
+    return [{str(k): v for k, v in pairs if v is not None} or None if pairs else None
+            for pairs in column.to_pylist()]
+
+
+async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: str) -> int:
     # A queue is its own routing key: a routing_key column (say, carried over
     # from a read) must not send the messages elsewhere.
     keyed = not opts.queue
@@ -840,23 +848,31 @@ async def _send_rows(opts: WriteOptions, rows: Iterable[Any], id_prefix: str) ->
             ssn = await conn.session()
         sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout,
                             durable=opts.durable)
+        send = sender.send
         n = 0
-        for row in rows:
-            body = _get(row, "body")
-            if body is None:
-                body = b""
-            elif type(body) is not bytes:
-                body = body.encode() if isinstance(body, str) else bytes(body)
-            message_id = _get(row, "message_id") or f"{id_prefix}-{n}"
-            headers = _get(row, "headers")
-            if headers:
-                headers = {str(k): v for k, v in dict(headers).items() if v is not None}
-            await sender.send(body, routing_key=_get(row, "routing_key") if keyed else None, message_id=message_id,
-                              correlation_id=_get(row, "correlation_id"), content_type=_get(row, "content_type"),
-                              headers=headers or None)
-            n += 1
-            if n % 256 == 0:
-                await trio.lowlevel.checkpoint()  # let the connection write and read
+        for batch in batches:
+            # Columns are looked up once per batch, never per row.
+            names = batch.schema.names
+            bodies = _body_column(batch.column(names.index("body")))
+            rows = len(bodies)
+            column = {name: batch.column(i) for i, name in enumerate(names)}
+            ids = column["message_id"].to_pylist() if "message_id" in column else [None] * rows
+            extra = {}
+            if keyed and "routing_key" in column:
+                extra["routing_key"] = column["routing_key"].to_pylist()
+            for name in ("correlation_id", "content_type"):
+                if name in column:
+                    extra[name] = column[name].to_pylist()
+            if "headers" in column:
+                extra["headers"] = _headers_column(column["headers"])
+            if not extra:
+                for i, body in enumerate(bodies):
+                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}")
+            else:
+                for i, body in enumerate(bodies):
+                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}",
+                               **{name: values[i] for name, values in extra.items()})
+            n += rows
         with trio.fail_after(opts.send_timeout or math.inf):
             await sender.sync()
         return n
@@ -904,7 +920,7 @@ class _Writer:
     def write(self, iterator: Iterator[Any]) -> QflowCommitMessage:
         partition, batch = self._batch()
         prefix = f"{batch}-{partition}"
-        n = _run(_send_rows, self.opts, iterator, prefix)
+        n = _run(_send_batches, self.opts, iterator, prefix)
         return QflowCommitMessage(partition, n, prefix)
 
     @staticmethod
@@ -912,7 +928,7 @@ class _Writer:
         return sum(m.messages for m in messages if m is not None)
 
 
-class QflowBatchWriter(_Writer, DataSourceWriter):
+class QflowBatchWriter(_Writer, DataSourceArrowWriter):
     def commit(self, messages: list[QflowCommitMessage | None]) -> None:
         log.info("qflow: wrote %d messages to %s (write id %s)", self._total(messages), self.opts.address,
                  self.write_id)
@@ -923,7 +939,7 @@ class QflowBatchWriter(_Writer, DataSourceWriter):
                     self._total(messages), self.write_id)
 
 
-class QflowStreamWriter(_Writer, DataSourceStreamWriter):
+class QflowStreamWriter(_Writer, DataSourceStreamArrowWriter):
     def commit(self, messages: list[QflowCommitMessage | None], batchId: int) -> None:
         log.info("qflow: batch %d: wrote %d messages to %s", batchId, self._total(messages), self.opts.address)
 
