@@ -113,3 +113,19 @@ async def test_removing_sequences_releases_held_producers(running, nursery):
         with trio.move_on_after(0.05):
             await done.wait()
     assert (await ssn.query_queue("q"))["lastSequence"] == 10
+
+
+async def test_browsing_from_a_sequence_deep_in_the_queue_delivers_from_there_in_order(ssn):
+    """A browser that starts at sequence 5001 of 10000 gets 5001..10000, in
+    order, a credit window at a time, and takes nothing."""
+    await ssn.declare_queue("deep")
+    sender = ssn.sender("deep", capacity=1000)
+    await sender.send_many(b"%d" % i for i in range(1, 10_001))
+    await sender.sync()
+    receiver = await ssn.receiver("deep", browse=True, start_sequence=5001, capacity=300)
+    got: list[int] = []
+    with trio.fail_after(30):
+        while len(got) < 5000:
+            got += [m.sequence for m in await receiver.fetch_many()]
+    assert got == list(range(5001, 10_001))
+    assert (await ssn.query_queue("deep"))["msgDepth"] == 10_000

@@ -11,7 +11,7 @@ once; the others wait in the session's unacked lists for message.accept.
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import repeat, starmap
+from itertools import islice, repeat, starmap
 
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -52,12 +52,14 @@ class Delivery:
         if not entries or seq_of(entries[-1]) < c.cursor or c.credit == 0:
             return
         i = bisect_left(entries, c.cursor, key=seq_of)
-        n = len(entries)
         ssn = c.session
         untracked = bool(ssn.unacked)
         batch: list[Entry] = []
-        while i < n and c.credit != 0:
-            e = entries[i]
+        # Iterate, never index: indexing a deque far from its ends walks its
+        # blocks, which made a browser deep in a long queue cost O(depth) per message.
+        for e in islice(entries, i, None):
+            if c.credit == 0:
+                break
             seq, size = seq_and_size(e)
             if c.byte_credit >= 0:
                 if c.byte_credit < size:
@@ -67,7 +69,6 @@ class Delivery:
                 c.credit -= 1
             batch.append(e)
             c.cursor = seq + 1
-            i += 1
         if not batch:
             return
         did = ssn.next_delivery
