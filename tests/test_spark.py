@@ -487,22 +487,26 @@ def wait_until(predicate: Any, what: str, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("stateful", [False, True], ids=["stateless", "stateful"])
 def test_flow_controlled_source_with_default_options_does_not_hang_its_producer(spark: Any, daemon: Daemon,
-                                                                                 broker: str, tmp_path: Any) -> None:
-    """Issue 15's hang: a stateless query with default options (no
-    maxMessagesPerTrigger, the default trigger) on a source whose producer is
-    flow-controlled. The batch that read the held messages must be committed
-    although no new message can arrive: every one of 3000 messages arrives."""
+                                                                                 broker: str, tmp_path: Any,
+                                                                                 stateful: bool) -> None:
+    """Issue 15's hang: a stateless (or stateful: dropDuplicates) query with
+    default options (no maxMessagesPerTrigger, the default trigger) on a
+    source whose producer is flow-controlled. The batch that read the held
+    messages must be committed although no new message can arrive: every one
+    of 3000 messages arrives."""
     n = 3000
-    declare(daemon, "hang-in", **{"qpid.flow_stop_count": 500, "qpid.flow_resume_count": 400})
-    declare(daemon, "hang-out")
+    source, sink = ("hang-in-stateful", "hang-out-stateful") if stateful else ("hang-in", "hang-out")
+    declare(daemon, source, **{"qpid.flow_stop_count": 500, "qpid.flow_resume_count": 400})
+    declare(daemon, sink)
     done: dict[str, Any] = {}
 
     def produce() -> None:
         async def main() -> None:
             with trio.fail_after(300):
                 async with qflow.open_connection("127.0.0.1", daemon.port) as conn:
-                    sender = (await conn.session()).sender("hang-in", capacity=50)
+                    sender = (await conn.session()).sender(source, capacity=50)
                     for i in range(n):
                         await sender.send(b"h%d" % i)
                     await sender.sync()
@@ -515,20 +519,22 @@ def test_flow_controlled_source_with_default_options_does_not_hang_its_producer(
 
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
-    query = spark.readStream.format("qflow").option("broker", broker).option("queue", "hang-in").load() \
-        .select("body").writeStream.format("qflow").option("broker", broker).option("queue", "hang-out") \
+    df = spark.readStream.format("qflow").option("broker", broker).option("queue", source).load().select("body")
+    if stateful:
+        df = df.dropDuplicates(["body"])  # state kept across micro-batches
+    query = df.writeStream.format("qflow").option("broker", broker).option("queue", sink) \
         .option("checkpointLocation", str(tmp_path / "ckpt")).start()
     try:
-        wait_until(lambda: stats(daemon, "hang-out")["msgDepth"] == n or not query.isActive,
-                   "every message to arrive in hang-out")
+        wait_until(lambda: stats(daemon, sink)["msgDepth"] == n or not query.isActive,
+                   f"every message to arrive in {sink}")
         assert query.isActive, query.exception()
         producer.join(timeout=120)
         assert done.get("ok"), done
-        wait_until(lambda: stats(daemon, "hang-in")["msgDepth"] == 0, "the last batch to be committed")
+        wait_until(lambda: stats(daemon, source)["msgDepth"] == 0, "the last batch to be committed")
     finally:
         query.stop()
-    assert sorted(bodies(daemon, "hang-out")) == sorted(b"h%d" % i for i in range(n))
-    assert stats(daemon, "hang-in")["flowStoppedCount"] >= 1  # the producer was held on the way
+    assert sorted(bodies(daemon, sink)) == sorted(b"h%d" % i for i in range(n))
+    assert stats(daemon, source)["flowStoppedCount"] >= 1  # the producer was held on the way
 
 
 def test_queue_deleted_and_declared_again_is_reported_not_deleted_unread(spark: Any, daemon: Daemon, broker: str,
