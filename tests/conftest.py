@@ -87,3 +87,9 @@ async def wait_for(predicate, timeout: float = 30) -> None:
             if result:
                 return
             await trio.sleep(0.01)
+
+
+def stats_but_incarnation(q) -> dict:
+    """A queue's statistics without its incarnation, a random id made with the
+    queue: for comparing two brokers fed the same input."""
+    return {k: v for k, v in q.stats().items() if k != "incarnation"}

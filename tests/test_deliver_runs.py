@@ -24,6 +24,7 @@ from qflow.protocol import entries as E
 from qflow.protocol.entries import ENTRY_HEAD, EntryError, scan_entries_python
 from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder
 from qflow.server.pump import ConnectionPump
+from tests.conftest import stats_but_incarnation
 
 pack = msgpack.Packer(use_bin_type=True).pack
 
@@ -164,7 +165,7 @@ def _run_broker(deliver_runs: bool, max_frame: int, frames: list[list]) -> dict:
         for frame in [*setup, *frames]:
             conn.receive((PROTOCOL_HEADER if frame is setup[0] else b"") + pack(frame), 0.0)
             written.append(conn.encoder.take())
-        queues = {name: (list(q.entries), q.count, q.nbytes, q.stats()) for name, q in broker.queues.items()}
+        queues = {name: (list(q.entries), q.count, q.nbytes, stats_but_incarnation(q)) for name, q in broker.queues.items()}
         sessions = {ch: (s.next_delivery, s.unacked, [q and q.name for q in s.unacked_queues],
                          s.unacked_base if s.unacked else None,  # no meaning while nothing awaits accept
                          s.unacked_count, {d: (c.credit, c.byte_credit, c.cursor) for d, c in s.consumers.items()})

@@ -20,6 +20,7 @@ from qflow.protocol.framing import PROTOCOL_HEADER, READ_SIZE
 from qflow.protocol.names import name_problem
 from qflow.server import pump as server
 from qflow.server.pump import ConnectionPump
+from tests.conftest import stats_but_incarnation
 
 pytestmark = pytest.mark.native_only  # the accounting is the same either way; once is enough
 
@@ -95,7 +96,7 @@ def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
                 for holder, held in to_release:
                     given[holder] += [(t, [(q.name, e) for q, e in messages]) for t, messages in held]
                 written.append(conn.encoder.take())
-        queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring, q.stats(),
+        queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring, stats_but_incarnation(q),
                          broker.acct.stats(q.slot), sorted(q.flow.tokens))
                   for name, q in broker.queues.items()}
         sessions = {ch: (s.commands.next_id, s.commands.floor, s.next_delivery) for ch, s in conn.sessions.items()}
