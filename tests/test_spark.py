@@ -8,6 +8,7 @@ cannot be imported; ``make test`` installs it (the ``test`` extra pulls in
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -285,7 +286,12 @@ def test_streaming_available_now_reads_writes_and_commits(spark: Any, daemon: Da
     checkpoint = str(tmp_path / "ckpt")
     q = stream(spark, broker, "s-in", "s-out", checkpoint, per_trigger=4)
     assert q.awaitTermination(120)
-    assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == [4, 4, 2]  # admission control
+    progress = [p for p in q.recentProgress if p["numInputRows"]]
+    assert [p["numInputRows"] for p in progress] == [4, 4, 2]  # admission control
+    # Lag in the progress: the source's latestOffset says how far the queue is ahead of the batch.
+    latest = [p["sources"][0]["latestOffset"] for p in progress]
+    lags = [(json.loads(x) if isinstance(x, str) else x)["lag"] for x in latest]
+    assert lags == [6, 2, 0], lags
     out = browse(daemon, "s-out")
     assert [m.body for m in out] == [f"m{i}".encode() for i in range(10)]
     # Ids are QUERY-ID-BATCH-PARTITION-ROW: a replayed batch repeats them.

@@ -704,6 +704,7 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: int | None = None  # Trigger.AvailableNow: the last sequence to read
         self._last: dict | None = None  # for pyspark < 4.2, which passes no start
         self._initial: dict | None = None
+        self._latest: dict | None = None  # the queue as the last plan saw it, for Spark's progress reports
 
     def initialOffset(self) -> dict:
         # Spark may ask again until the first batch is planned: "latest" must
@@ -748,6 +749,7 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             after = 0  # going on: read the new queue from its first message
             a = available(opts.endpoint, opts.queue, after, -1 if max_rows is None else max_rows)
         sequences = a["sequences"]
+        self._latest = {"incarnation": a["incarnation"], "sequence": a["lastSequence"]}
         limit_to = a["lastSequence"] if self._target is None else min(a["lastSequence"], self._target)
         if self._target is not None and sequences and max(b for _, b in sequences.ranges()) > limit_to:
             sequences = RangeSet(r for r in ((f, min(b, limit_to)) for f, b in sequences.ranges()) if r[0] <= r[1])
@@ -773,6 +775,14 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if not sequences and through == after:
             return start if incarnation == a["incarnation"] else offset(a["incarnation"], through)
         return offset(a["incarnation"], through, sequences)
+
+    def reportLatestOffset(self) -> dict | None:
+        """The queue's last sequence number when the batch was planned, and the
+        lag: how many numbers past the batch's end were not planned yet (shown
+        as the source's ``latestOffset`` in the query's progress)."""
+        if self._latest is None or self._last is None:
+            return None
+        return {**self._latest, "lag": max(0, self._latest["sequence"] - int(self._last["sequence"]))}
 
     def partitions(self, start: dict, end: dict) -> list[SequenceSet]:
         incarnation = end.get("incarnation")
