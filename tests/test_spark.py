@@ -266,6 +266,9 @@ def test_batch_write_and_read_round_trip(spark: Any, daemon: Daemon, broker: str
     assert [m.body for m in browse(daemon, "by-key-1")] == [b"x"]
     assert [m.body for m in browse(daemon, "by-key-2")] == [b"y", b"z"]
 
+    # A task Spark stops reading early (a limit) ends its reader thread and connection.
+    assert len(read(spark, broker, "rt").limit(3).collect()) == 3
+    wait_until(lambda: stats(daemon, "rt")["consumerCount"] == 0, "the early-stopped task's browser to go", 60)
     # Reading browses: nothing was taken.
     assert stats(daemon, "rt")["msgDepth"] == 30
 
