@@ -24,6 +24,7 @@ import qflow
 from qflow.broker import Broker
 from qflow.broker.acl import AclDenied, AclError, parse
 from qflow.client.errors import NotAllowed, ResourceLocked
+from qflow.protocol.ranges import RangeSet
 from qflow.testing import Daemon, start
 from tests.test_tools import DEADLINE, command, ok, refused, run
 
@@ -251,6 +252,9 @@ async def test_every_command_is_checked_as_its_action(daemon):
             alice = await alice_conn.session()
             refusals = [
                 (alice.receiver("payments"), "alice consume queue name=payments"),
+                (alice.available("payments"), "alice consume queue name=payments"),  # a browsing reader's plan
+                (alice.remove_sequences("payments", "any", RangeSet([(1, 1)])),  # ... and its commit
+                 "alice consume queue name=payments"),
                 (alice.purge_queue("payments"), "alice purge queue name=payments"),
                 (alice.delete_queue("payments"), "alice delete queue name=payments"),
                 (alice.declare_queue("mine"), "alice create queue name=mine durable=false autodelete=false "
@@ -288,7 +292,8 @@ async def test_an_exclusive_queue_is_its_owners_alone_even_for_an_admin(daemon):
             admin = await admin_conn.session()
             for call in (admin.receiver("tmp.excl"), admin.purge_queue("tmp.excl"), admin.delete_queue("tmp.excl"),
                          admin.bind("amq.direct", "tmp.excl", "k"), admin.modify_queue("tmp.excl", {"qpid.max_count": 9}),
-                         admin.remove_through("tmp.excl", 10), admin.declare_queue("tmp.excl")):
+                         admin.remove_through("tmp.excl", 10), admin.available("tmp.excl"),
+                         admin.remove_sequences("tmp.excl", "any", RangeSet([(1, 1)])), admin.declare_queue("tmp.excl")):
                 with pytest.raises(ResourceLocked, match="exclusive to another session"):
                     await call
             for method, path, body in (("DELETE", "/api/queues/tmp.excl", None),
