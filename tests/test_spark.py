@@ -177,6 +177,14 @@ def test_options_are_case_insensitive_and_checked() -> None:
     with pytest.raises(ValueError, match="'failOnDataLoss' must be true or false"):
         ReadOptions.parse({"queue": "q", "failondataloss": "maybe"})
     assert ReadOptions.parse({"queue": "q"}).fail_on_data_loss is True
+    opts = ReadOptions.parse({"queue": "q", "startingOffsets": "5", "endingOffsets": "9"})
+    assert (opts.starting, opts.ending) == (5, 9)
+    assert (ReadOptions.parse({"queue": "q"}).starting, ReadOptions.parse({"queue": "q"}).ending) == ("earliest", None)
+    for bad, text in [({"startingoffsets": "soon"}, "'startingOffsets' must be earliest, latest or a sequence"),
+                      ({"startingoffsets": "0"}, "sequence numbers start at 1"),
+                      ({"endingoffsets": "earliest"}, "'endingOffsets' must be latest or a sequence number")]:
+        with pytest.raises(ValueError, match=text):
+            ReadOptions.parse({"queue": "q", **bad})
     assert ReadOptions.parse({"queue": "q", "failOnDataLoss": "false"}).fail_on_data_loss is False
     w = WriteOptions.parse({"exchange": "ex", "routingkey": "k", "capacity": "7"})
     assert (w.address, w.capacity, w.send_timeout) == ("ex/k", 7, None)
@@ -714,3 +722,24 @@ def test_durable_writer_option_makes_messages_persistent(spark: Any) -> None:
         if second is not None:
             second.stop()
         first.stop()
+
+
+def test_batch_read_between_starting_and_ending_offsets(spark: Any, daemon: Daemon, broker: str) -> None:
+    """As Kafka's batch source: startingOffsets (the first sequence number to
+    read) and endingOffsets (exclusive) bound a batch read; latest cannot
+    start one, and a streaming read has no end."""
+    declare(daemon, "bounded")
+    send(daemon, "bounded", [f"m{i}" for i in range(1, 13)])  # sequences 1..12
+    got = read(spark, broker, "bounded", startingOffsets="5", endingOffsets="9").orderBy("sequence").collect()
+    assert [(r.sequence, r.body) for r in got] == [(i, f"m{i}".encode()) for i in range(5, 9)]
+    assert [r.sequence for r in read(spark, broker, "bounded", endingOffsets="3").collect()] == [1, 2]
+    with pytest.raises(Exception, match="'startingOffsets' cannot be latest for a batch read"):
+        read(spark, broker, "bounded", startingOffsets="latest").collect()
+    query = spark.readStream.format("qflow").option("broker", broker).option("queue", "bounded") \
+        .option("endingOffsets", "5").load().writeStream.format("console").start()
+    try:
+        with pytest.raises(Exception, match="'endingOffsets' is for batch reads"):
+            query.awaitTermination(120)
+    finally:
+        query.stop()
+    assert stats(daemon, "bounded")["msgDepth"] == 12

@@ -193,13 +193,24 @@ class Endpoint:
                                   f"(option broker): {exc}") from None
 
 
+def _sequence(text: str, name: str, words: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise QflowOptionError(f"qflow option '{name}' must be {words} or a sequence number, not {text!r}") from None
+    if value < 1:
+        raise QflowOptionError(f"qflow option '{name}': sequence numbers start at 1, not {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     endpoint: Endpoint
     queue: str
     num_partitions: int | None
     max_per_trigger: int | None
-    starting: str
+    starting: str | int  # "earliest", "latest", or the first sequence number to read
+    ending: int | None  # batch reads: read sequence numbers below this one (None: all there at planning)
     fail_on_data_loss: bool
 
     @classmethod
@@ -208,9 +219,11 @@ class ReadOptions:
         queue = opts.get("queue", "").strip()
         if not queue:
             raise QflowOptionError("qflow: reading needs option 'queue' (the queue to read)")
-        starting = opts.get("startingoffsets", "earliest").strip().lower()
+        starting: str | int = opts.get("startingoffsets", "earliest").strip().lower()
         if starting not in ("earliest", "latest"):
-            raise QflowOptionError(f"qflow option 'startingOffsets' must be earliest or latest, not {starting!r}")
+            starting = _sequence(starting, "startingOffsets", "earliest, latest")
+        ending: str | int | None = opts.get("endingoffsets", "latest").strip().lower()
+        ending = None if ending == "latest" else _sequence(ending, "endingOffsets", "latest")
         if _bool(opts, "consume", "consume", False):
             raise QflowOptionError(
                 "qflow option 'consume' is not supported: Spark's batch reader has no commit, so a job that failed "
@@ -222,6 +235,7 @@ class ReadOptions:
             num_partitions=_int(opts, "numpartitions", "numPartitions", None, 1),
             max_per_trigger=_int(opts, "maxmessagespertrigger", "maxMessagesPerTrigger", None, 1),
             starting=starting,
+            ending=ending,
             fail_on_data_loss=_bool(opts, "failondataloss", "failOnDataLoss", True),
         )
 
@@ -679,8 +693,13 @@ class QflowBatchReader(DataSourceReader):
         self.indices = _indices(schema)
 
     def partitions(self) -> list[SequenceSet]:
-        a = available(self.opts.endpoint, self.opts.queue, 0, -1)
-        return _partitions(self.opts, a["incarnation"], a["sequences"]) or [SequenceSet(0, a["incarnation"], [])]
+        opts = self.opts
+        after = opts.starting - 1 if isinstance(opts.starting, int) else 0
+        a = available(opts.endpoint, opts.queue, after, -1)
+        sequences = a["sequences"]
+        if opts.ending is not None:
+            sequences = RangeSet((f, min(b, opts.ending - 1)) for f, b in sequences.ranges() if f < opts.ending)
+        return _partitions(opts, a["incarnation"], sequences) or [SequenceSet(0, a["incarnation"], [])]
 
     def read(self, partition: SequenceSet) -> Iterator[tuple]:
         yield from read_sequences(self.opts, partition.incarnation, RangeSet.from_wire(partition.sequences),
@@ -712,7 +731,13 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # would be skipped.
         if self._initial is None:
             a = available(self.opts.endpoint, self.opts.queue, 0, 0)
-            through = a["lastSequence"] if self.opts.starting == "latest" else a["firstSequence"] - 1
+            starting = self.opts.starting
+            if starting == "latest":
+                through = a["lastSequence"]
+            elif starting == "earliest":
+                through = a["firstSequence"] - 1
+            else:  # a sequence number: the first to read
+                through = int(starting) - 1
             self._initial = offset(a["incarnation"], through)
         return self._initial
 
@@ -979,10 +1004,17 @@ class QflowDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> QflowBatchReader:
-        return QflowBatchReader(ReadOptions.parse(self.options), schema)
+        opts = ReadOptions.parse(self.options)
+        if opts.starting == "latest":
+            raise QflowOptionError("qflow option 'startingOffsets' cannot be latest for a batch read (it would read "
+                                   "nothing); use earliest or a sequence number")
+        return QflowBatchReader(opts, schema)
 
     def streamReader(self, schema: StructType) -> QflowStreamReader:
-        return QflowStreamReader(ReadOptions.parse(self.options), schema)
+        opts = ReadOptions.parse(self.options)
+        if opts.ending is not None:
+            raise QflowOptionError("qflow option 'endingOffsets' is for batch reads; a streaming read goes on")
+        return QflowStreamReader(opts, schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> QflowBatchWriter:
         _append_only(overwrite, streaming=False)
