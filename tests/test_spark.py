@@ -196,6 +196,15 @@ def test_options_are_case_insensitive_and_checked() -> None:
                       ({"queue": "q", "routingkey": "k"}, "goes with 'exchange'")]:
         with pytest.raises(ValueError, match=text):
             WriteOptions.parse(bad)
+    # A misspelt or retired option is refused, naming it, never silently ignored.
+    with pytest.raises(ValueError, match="unknown option maxmessagespertriger "):
+        ReadOptions.parse({"queue": "q", "maxMessagesPerTriger": "10"})
+    with pytest.raises(ValueError, match="unknown option readidletimeout "):
+        ReadOptions.parse({"queue": "q", "readIdleTimeout": "5"})
+    with pytest.raises(ValueError, match="unknown option durable "):  # a writer's option, given to a reader
+        ReadOptions.parse({"queue": "q", "durable": "true"})
+    with pytest.raises(ValueError, match="unknown options numpartitions, startingoffsets "):
+        WriteOptions.parse({"queue": "q", "startingOffsets": "earliest", "numPartitions": "2"})
 
 
 def test_split_sequences() -> None:

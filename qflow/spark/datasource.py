@@ -90,10 +90,25 @@ class QflowOptionError(ValueError):
 
 
 # -- options --------------------------------------------------------------------
-def _lower(options: Mapping[str, str]) -> dict[str, str]:
-    # Spark hands the options over with lower-cased keys; lower them again in
-    # case a caller builds the source directly.
-    return {str(k).lower(): str(v) for k, v in dict(options).items()}
+def _lower(options: Mapping[str, str], known: frozenset[str]) -> dict[str, str]:
+    """The options with lower-cased keys (Spark hands them over so; lowered
+    again in case a caller builds the source directly). An option this side
+    does not know is refused, naming it: a misspelt option must not be
+    silently ignored (those Spark itself may set, such as ``path``, are let through)."""
+    opts = {str(k).lower(): str(v) for k, v in dict(options).items()}
+    unknown = sorted(set(opts) - known - _SPARK_OPTIONS)
+    if unknown:
+        raise QflowOptionError(f"qflow: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                               f"(options here: {', '.join(sorted(known))})")
+    return opts
+
+
+_SPARK_OPTIONS = frozenset({"path", "checkpointlocation"})  # Spark's own, which it may hand on
+_ENDPOINT_OPTIONS = frozenset({"broker", "connecttimeout", "username", "password"})
+READ_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "numpartitions", "maxmessagespertrigger", "startingoffsets",
+                                    "endingoffsets", "failondataloss", "consume"}
+WRITE_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "exchange", "routingkey", "capacity", "sendtimeout", "writeid",
+                                     "durable"}
 
 
 def parse_broker(value: str) -> tuple[str, int]:
@@ -215,7 +230,7 @@ class ReadOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
-        opts = _lower(options)
+        opts = _lower(options, READ_OPTIONS)
         queue = opts.get("queue", "").strip()
         if not queue:
             raise QflowOptionError("qflow: reading needs option 'queue' (the queue to read)")
@@ -257,7 +272,7 @@ class WriteOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriteOptions:
-        opts = _lower(options)
+        opts = _lower(options, WRITE_OPTIONS)
         queue = opts.get("queue", "").strip()
         exchange = opts.get("exchange", "").strip()
         routing_key = opts.get("routingkey", "")
