@@ -423,3 +423,34 @@ async def test_sigterm_tells_every_client_why():
         assert d.proc.wait(timeout=TIMEOUT) == 0
     finally:
         d.stop()
+
+
+# -- TLS ------------------------------------------------------------------------------------------------
+async def test_limits_apply_to_tls_connections_too(nursery):
+    """The TLS port shares the count: --max-connections 1 refuses a second TLS
+    client with the reason, read over TLS; a TCP client that never starts its
+    TLS handshake is dropped at the negotiate time and frees its place."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    server = Server(Broker(), limits=ConnectionLimits(max_connections=1, negotiate_time=0.3))
+    port = await nursery.start(server.serve, "127.0.0.1", 0, server_context)
+    async with qflow.open_connection("127.0.0.1", port, ssl_context=client_context) as conn:
+        with trio.fail_after(TIMEOUT), pytest.raises(qflow.ConnectionClosed) as err:
+            async with qflow.open_connection("127.0.0.1", port, ssl_context=client_context):
+                pass
+        assert (err.value.code, err.value.text) == (
+            P.RESOURCE_LIMIT_EXCEEDED, "connection limit reached: 1 connections (--max-connections)")
+        await conn.session()
+    await wait_for(lambda: server.admission.count == 0)
+    silent = await trio.open_tcp_stream("127.0.0.1", port)
+    with trio.fail_after(TIMEOUT):
+        assert await silent.receive_some(100) == b""  # no TLS, so no reason can be read: just the end
+    await silent.aclose()
+    await wait_for(lambda: server.admission.count == 0)
