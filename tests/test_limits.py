@@ -8,6 +8,7 @@ broker holds stands for 20,000 idle connections.
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import logging
@@ -371,7 +372,8 @@ async def test_qflowd_max_connections_and_negotiate_time():
 
 
 @pytest.mark.parametrize("args", [["--max-connections", "-1"], ["--max-negotiate-time", "-5"],
-                                  ["--connection-limit-per-ip", "-1"], ["--idle-timeout", "nan"]])
+                                  ["--connection-limit-per-ip", "-1"], ["--connection-limit-per-user", "-2"],
+                                  ["--idle-timeout", "nan"]])
 def test_qflowd_refuses_bad_limits(args):
     import subprocess
     import sys
@@ -454,3 +456,45 @@ async def test_limits_apply_to_tls_connections_too(nursery):
         assert await silent.receive_some(100) == b""  # no TLS, so no reason can be read: just the end
     await silent.aclose()
     await wait_for(lambda: server.admission.count == 0)
+
+
+# -- --connection-limit-per-user -------------------------------------------------------------------------
+async def test_connection_limit_per_user(tmp_path):
+    """--connection-limit-per-user 1 with authentication on: alice's second
+    connection is refused after she authenticates, with the reason; bob, on
+    the same address, is served; once alice's first leaves she comes back."""
+    from tests.test_auth import passwd
+    from tests.test_tools import ok
+
+    db = tmp_path / "users.json"
+    ok(passwd(db, "alice", "a-pass", "--iterations", "4096"))
+    ok(passwd(db, "bob", "b-pass", "--iterations", "4096"))
+    d = start_qflowd("--no-data-dir", "--auth", "yes", "--sasl-db", str(db), "--connection-limit-per-user", "1")
+    try:
+        alice = {"username": "alice", "password": "a-pass"}
+        async with qflow.open_connection("127.0.0.1", d.port, **alice) as first:
+            with trio.fail_after(TIMEOUT), pytest.raises(qflow.ConnectionClosed) as err:
+                async with qflow.open_connection("127.0.0.1", d.port, **alice):
+                    pass
+            assert (err.value.code, err.value.text) == (
+                P.RESOURCE_LIMIT_EXCEEDED,
+                "connection limit per user reached: 1 connections for user 'alice' (--connection-limit-per-user)")
+            async with qflow.open_connection("127.0.0.1", d.port, username="bob", password="b-pass") as bob:
+                await bob.session()
+            await first.session()
+        with trio.fail_after(TIMEOUT):
+            while True:  # the place frees once the broker has seen her first connection go
+                try:
+                    async with qflow.open_connection("127.0.0.1", d.port, **alice) as again:
+                        await again.session()
+                        break
+                except qflow.ConnectionClosed as exc:
+                    assert exc.code == P.RESOURCE_LIMIT_EXCEEDED, exc
+                    await trio.sleep(0.05)
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{d.mgmt_port}/api/broker",
+                headers={"Authorization": "Basic " + base64.b64encode(b"bob:b-pass").decode()}),
+                timeout=TIMEOUT) as r:
+            assert json.load(r)["options"]["connectionLimitPerUser"] == 1
+    finally:
+        d.stop()

@@ -236,7 +236,7 @@ class ProtocolConnection:
                  heartbeat: float = 0, now: float = 0.0, users: sasl.Users | None = None,
                  secret: bytes = b"", username: str | None = None, password: str = "",
                  mechanism: str | None = None, announce: dict[str, Any] | None = None, negotiate_time: float = 0.0,
-                 idle_timeout: float = 0.0) -> None:
+                 idle_timeout: float = 0.0, admit: Callable[[str], str | None] | None = None) -> None:
         """A server (``max_frame_size``: its own limit; ``users``: check
         credentials against them, None: authentication off; ``secret``: for
         the decoys of unknown users) waits for the client. A client
@@ -251,7 +251,8 @@ class ProtocolConnection:
         broker's one address. ``negotiate_time`` (seconds, 0: none) is how
         long a server gives the handshake, authentication included;
         ``idle_timeout`` (0: none) how long a peer that negotiated no
-        heartbeat may send nothing."""
+        heartbeat may send nothing. ``admit(user)``, once a server knows who
+        the client is, says why it may not connect (a per-user limit), or None."""
         self.role = role
         self.announce = announce if announce is not None else {}
         self.peer_properties: dict[str, Any] = {}  # a client: the broker's open-ok options
@@ -276,6 +277,7 @@ class ProtocolConnection:
         self.negotiate_time = negotiate_time
         self._open_by = now + negotiate_time if negotiate_time else math.inf
         self.idle_timeout = idle_timeout
+        self._admit = admit
         self._beat_due = math.inf
         self._attaching: set[int] = set()  # client: attach sent, attached not yet heard
         self._next_channel = 0
@@ -427,7 +429,12 @@ class ProtocolConnection:
         return AuthFailed(user, detail)
 
     def _negotiate(self, user: str, server_final: bytes | None = None) -> Opened:
-        """Server: the open is accepted and authenticated: answer it."""
+        """Server: the open is accepted and authenticated: answer it, unless
+        ``admit`` refuses the user (506, with its reason)."""
+        if self._admit is not None:
+            reason = self._admit(user)
+            if reason is not None:
+                raise self._refuse(P.RESOURCE_LIMIT_EXCEEDED, reason)
         name, heartbeat, max_frame_size, deliver_runs = self._open_options
         self.name = name
         self.user = user

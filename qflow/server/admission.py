@@ -37,6 +37,7 @@ class ConnectionLimits:
     per_ip: int = 0  # --connection-limit-per-ip: off by default, as in qpidd (NAT puts many clients on one address)
     negotiate_time: float = 10.0  # seconds to finish the handshake (qpidd's --max-negotiate-time, 10000 ms)
     idle_timeout: float = 0.0  # seconds a connection without heartbeats may send nothing (0: forever, as qpidd)
+    per_user: int = 0  # --connection-limit-per-user: off by default, as in qpidd
 
 
 class Throttle:
@@ -72,6 +73,7 @@ class Admission:
         self.limits = limits
         self.count = 0
         self.per_ip: dict[str, int] = {}
+        self.per_user: dict[str, int] = {}
 
     def refuse(self, ip: str) -> str | None:
         """Why a new connection from ``ip`` is refused, or None: it may come in."""
@@ -82,6 +84,25 @@ class Admission:
             return (f"connection limit per address reached: {limits.per_ip} connections from {ip} "
                     f"(--connection-limit-per-ip)")
         return None
+
+    def refuse_user(self, user: str) -> str | None:
+        """Why one more connection of ``user`` (authenticated, or
+        "anonymous") is refused, or None."""
+        limit = self.limits.per_user
+        if limit and self.per_user.get(user, 0) >= limit:
+            return (f"connection limit per user reached: {limit} connections for user {user!r} "
+                    "(--connection-limit-per-user)")
+        return None
+
+    def enter_user(self, user: str) -> None:
+        self.per_user[user] = self.per_user.get(user, 0) + 1
+
+    def leave_user(self, user: str) -> None:
+        left = self.per_user[user] - 1
+        if left:
+            self.per_user[user] = left
+        else:
+            del self.per_user[user]
 
     def enter(self, ip: str) -> None:
         self.count += 1

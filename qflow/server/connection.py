@@ -13,6 +13,7 @@ a ``connection.close`` naming the fault; other connections carry on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -46,13 +47,15 @@ class Connection:
 
     def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
-                 negotiate_time: float = 0.0, idle_timeout: float = 0.0) -> None:
+                 negotiate_time: float = 0.0, idle_timeout: float = 0.0,
+                 admit: Callable[[str], str | None] | None = None) -> None:
         self.broker = broker
         self.stream = stream
         self.peer = peer
         self.connected_at = trio.current_time()
         self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened, users,
-                                   secret, announce, negotiate_time=negotiate_time, idle_timeout=idle_timeout)
+                                   secret, announce, negotiate_time=negotiate_time, idle_timeout=idle_timeout,
+                                   admit=admit)
         self.protocol = self.pump.protocol
         self.encoder = self.pump.encoder
         self.encoder.limit = OUTPUT_LIMIT_FRAMES * max_frame_size

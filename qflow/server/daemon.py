@@ -238,6 +238,7 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             limits = args.limits
             options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
                        "maxConnections": limits.max_connections, "connectionLimitPerIp": limits.per_ip,
+                       "connectionLimitPerUser": limits.per_user,
                        "maxNegotiateTime": round(limits.negotiate_time * 1000), "idleTimeout": limits.idle_timeout,
                        "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir,
                        "storeOverfullSize": args.store_quota.overfull if journal is not None else None,

@@ -112,8 +112,21 @@ class Server:
 
     async def _serve(self, stream: trio.SocketStream | trio.SSLStream, sock: trio.socket.SocketType,
                      peer: str) -> None:
+        admitted: list[str] = []  # the user counted for this connection, once authenticated
+
+        def admit(user: str) -> str | None:
+            reason = self.admission.refuse_user(user)
+            if reason is None:
+                self.admission.enter_user(user)
+                admitted.append(user)
+            else:
+                self.refused += 1
+                self.throttle.log(logging.WARNING, "refused", "refused connection from %s: %s", peer, reason)
+            return reason
+
         conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
-                          negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout)
+                          negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
+                          admit=admit if self.limits.per_user else None)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
@@ -125,6 +138,8 @@ class Server:
             log.exception("connection %s failed", peer)
         finally:
             self.connections.discard(conn)
+            for user in admitted:
+                self.admission.leave_user(user)
 
     async def _refuse(self, stream: trio.SocketStream | trio.SSLStream, peer: str, reason: str) -> None:
         self.refused += 1
