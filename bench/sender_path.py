@@ -50,6 +50,8 @@ class _Encoder:
 
 
 class _Connection:
+    max_frame_size = 1024 * 1024  # the negotiated frame size a sender checks a new body size against
+
     def __init__(self) -> None:
         self.encoder = _Encoder()
         self._wake = _Event()

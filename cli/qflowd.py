@@ -41,6 +41,7 @@ from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.management.guard import allowed_host_problem
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
+from qflow.server.admission import ConnectionLimits
 from qflow.server.daemon import AclFileError, ListenError, TlsError, run
 from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, available_memory
 from qflow.store import StoreError
@@ -165,6 +166,20 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                         "repeatable")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
+    p.add_argument("--max-connections", type=int, default=500, metavar="N",
+                   help="most client connections served at once; more are refused with a reason; 0 = no limit "
+                        "(default 500, as qpidd)")
+    p.add_argument("--connection-limit-per-ip", type=int, default=0, metavar="N",
+                   help="most connections from one address at once; 0 = no limit (default 0)")
+    p.add_argument("--connection-limit-per-user", type=int, default=0, metavar="N",
+                   help="most connections of one user at once (ANONYMOUS clients are the user 'anonymous'); "
+                        "0 = no limit (default 0)")
+    p.add_argument("--max-negotiate-time", type=int, default=10000, metavar="MS",
+                   help="milliseconds a new connection has to finish its handshake; 0 = no limit "
+                        "(default 10000, as qpidd)")
+    p.add_argument("--idle-timeout", type=float, default=0, metavar="SECS",
+                   help="seconds a connection that negotiated no heartbeat may send nothing before it is "
+                        "closed; 0 = never (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe messages logged (default info); `qflow-config log-level L` changes it "
                         "while qflowd runs")
@@ -254,6 +269,13 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     if not MIN_SEGMENT_SIZE <= args.store_segment_size <= MAX_SEGMENT_SIZE:
         p.error(f"--store-segment-size must be {MIN_SEGMENT_SIZE}..{MAX_SEGMENT_SIZE} bytes, "
                 f"not {args.store_segment_size}")
+    for option in ("max_connections", "connection_limit_per_ip", "connection_limit_per_user", "max_negotiate_time"):
+        if getattr(args, option) < 0:
+            p.error(f"--{option.replace('_', '-')} must be 0 (no limit) or more, not {getattr(args, option)}")
+    if not 0 <= args.idle_timeout < 86400 * 365:  # NaN fails too: no timer takes it
+        p.error(f"--idle-timeout must be 0 (never) or a number of seconds, not {args.idle_timeout:g}")
+    args.limits = ConnectionLimits(args.max_connections, args.connection_limit_per_ip,
+                                   args.max_negotiate_time / 1000, args.idle_timeout, args.connection_limit_per_user)
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     if args.ssl_cert_file is None and (args.ssl_key_file is not None or args.ssl_port is not None):

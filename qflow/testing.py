@@ -34,6 +34,7 @@ from qflow.broker.flow import FlowDefaults
 from qflow.protocol.connection import Completed, Failed, FlowNotice, ProtocolConnection, Result, Role
 from qflow.protocol.entries import entry_tail, scan_entries, seq_and_size
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.protocol.parts import PartJoiner
 from qflow.protocol.ranges import RangeSet
 from qflow.server.pump import ConnectionPump
 
@@ -220,6 +221,8 @@ class MemoryClient:
         self.protocol = ProtocolConnection(Role.CLIENT, name=name, max_frame_size=max_frame_size)
         self.pump = ConnectionPump(harness.broker, max_frame_size, 0.0)
         self.flow_notices: list[tuple[int, str, bool]] = []  # (channel, queue, held), as received
+        self._parts = PartJoiner()  # message.deliver-part frames joined
+        self.reading = True  # False: a peer that reads nothing, so the broker's output to it stays queued
 
     def session(self, name: str = "") -> MemorySession:
         ssn = MemorySession(self)
@@ -234,12 +237,18 @@ class MemoryClient:
         return bool(data)
 
     def _from_broker(self) -> bool:
-        data = self.pump.encoder.take() if self.pump.encoder.parts else b""
+        data = self.pump.encoder.take() if self.pump.encoder.parts and self.reading else b""
         if not data:
             return False
+        if self.pump.broker.stalled:  # as the server's writer does once a write is done
+            self.pump.broker.output_drained()
         protocol = self.protocol
         protocol.receive_data(data, 0.0)
         for frame in protocol.decoder.frames():
+            if frame[0] == P.DELIVER_PART:
+                frame = self._parts.add(frame)
+                if frame is None:
+                    continue
             if frame[0] == P.DELIVER_RUN:
                 self._deliveries(frame)
                 continue

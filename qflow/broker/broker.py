@@ -76,7 +76,8 @@ class Broker:
         self._next_session_slot = 0
         self._ready: dict[Queue, None] = {}  # queues with messages to deliver
         self._dirty_sessions = self.flow.dirty  # sessions with something to report
-        self._delivery = Delivery(self._dirty_sessions)
+        self._stalled: dict[Queue, None] = {}  # queues a consumer's full output left undelivered
+        self._delivery = Delivery(self._dirty_sessions, self._stalled)
         self.on_queue_deleted: list[Callable[[Queue], None]] = []
         self.on_queue_declared: list[Callable[[Queue], None]] = []  # after a queue is created (the store)
         # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
@@ -464,6 +465,18 @@ class Broker:
         self._dirty_sessions.clear()
         for wake in wakes:
             wake()
+
+    @property
+    def stalled(self) -> bool:
+        """Some queue holds messages back because a consumer's output is full."""
+        return bool(self._stalled)
+
+    def output_drained(self) -> None:
+        """A connection's output has room again (its peer read): the queues
+        held back for want of room are dispatched again, and the batch ended."""
+        self._ready.update(self._stalled)
+        self._stalled.clear()
+        self.flush()
 
     # -- commands (qflow.broker.commands runs them) ---------------------------
     def apply_pending(self) -> None:

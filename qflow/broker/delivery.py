@@ -6,12 +6,19 @@ the queue as one batch and handed to the consumer's writer, which its
 session's output made (qflow.protocol.session_output: how they become frames
 is the protocol's business). Deliveries that need no accept are dequeued at
 once; the others wait in the session's unacked lists for message.accept.
+
+A consumer gets no more than its connection's output has room for
+(``SessionOutput.room``), whatever its credit: a peer that stops reading
+stops receiving, and its messages stay in the queue, counted in its depth.
+The room is checked once per batch, and a queue whose consumer had none is
+noted in ``stalled``, to be dispatched again once output drains
+(Broker.output_drained).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from itertools import islice, repeat, starmap
+from bisect import bisect_left, bisect_right
+from itertools import accumulate, islice, repeat, starmap
 
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -22,8 +29,9 @@ from qflow.protocol.entries import Entry, seq_and_size, seq_of
 class Delivery:
     """Delivers for every queue; ``dirty`` collects the sessions given deliveries."""
 
-    def __init__(self, dirty: dict[BrokerSession, None]) -> None:
+    def __init__(self, dirty: dict[BrokerSession, None], stalled: dict[Queue, None]) -> None:
         self.dirty = dirty
+        self.stalled = stalled  # queues left undelivered for want of output room
 
     def dispatch(self, q: Queue) -> None:
         """Deliver what ``q`` has to its browsers and consumers, as their credit allows."""
@@ -40,9 +48,11 @@ class Delivery:
             for _ in range(n):
                 c = consumers[q.next_consumer % n]
                 q.next_consumer += 1
-                if c.credit != 0 and (c.byte_credit < 0 or c.byte_credit >= size):
+                if c.credit != 0 and (c.byte_credit < 0 or c.byte_credit >= size) and c.session.out.room() > 0:
                     break
             else:
+                if any(c.session.out.room() <= 0 for c in consumers):
+                    self.stalled[q] = None
                 return
             self._deliver(c, q, 1)
 
@@ -53,13 +63,22 @@ class Delivery:
             return
         i = bisect_left(entries, c.cursor, key=seq_of)
         ssn = c.session
+        room = ssn.out.room()
+        if room <= 0:
+            self.stalled[q] = None
+            return
         untracked = bool(ssn.unacked)
         batch: list[Entry] = []
         # Iterate, never index: indexing a deque far from its ends walks its
         # blocks, which made a browser deep in a long queue cost O(depth) per message.
+        nbytes = 0
         for e in islice(entries, i, None):
             if c.credit == 0:
                 break
+            if nbytes >= room:
+                self.stalled[q] = None
+                break
+            nbytes += len(e)
             seq, size = seq_and_size(e)
             if c.byte_credit >= 0:
                 if c.byte_credit < size:
@@ -74,7 +93,7 @@ class Delivery:
         did = ssn.next_delivery
         ssn.next_delivery = did + len(batch)
         c.delivered += len(batch)
-        c.write(did, batch)
+        c.write(did, batch, sum(map(len, batch)))
         if untracked:  # keep unacked's index = delivery id - base
             ssn.unacked += [None] * len(batch)
             ssn.unacked_queues += [None] * len(batch)
@@ -90,6 +109,11 @@ class Delivery:
         n = len(entries)
         if not n or credit == 0 or limit == 0:
             return
+        ssn = c.session
+        room = ssn.out.room()
+        if room <= 0:
+            self.stalled[q] = None
+            return
         if 0 < credit < n:
             n = credit
         if 0 < limit < n:
@@ -102,13 +126,27 @@ class Delivery:
                 entries.clear()
             else:
                 batch = [*starmap(popleft, repeat((), n))]  # n pops, with no Python frame per message
+            nbytes = sum(map(len, batch))
+            if nbytes > room and n > 1:  # the output takes this much, at least one message: the rest stays
+                ends = [*accumulate(map(len, batch))]
+                n = bisect_right(ends, room) or 1
+                entries.extendleft(reversed(batch[n:]))
+                del batch[n:]
+                nbytes = ends[n - 1]
+                self.stalled[q] = None
         else:
             batch = []
+            nbytes = 0
             for _ in range(n):
-                size = seq_and_size(entries[0])[1]
+                e = entries[0]
+                size = seq_and_size(e)[1]
                 if byte_credit < size:
                     break
+                if nbytes >= room:
+                    self.stalled[q] = None
+                    break
                 byte_credit -= size
+                nbytes += len(e)
                 batch.append(popleft())
             if not batch:
                 return
@@ -116,11 +154,10 @@ class Delivery:
             c.byte_credit = byte_credit
         if credit > 0:
             c.credit = credit - n
-        ssn = c.session
         did = ssn.next_delivery
         ssn.next_delivery = did + n
         c.delivered += n
-        c.write(did, batch)
+        c.write(did, batch, nbytes)
         unacked = ssn.unacked
         if c.accept_mode == ACCEPT_EXPLICIT:
             if not unacked:

@@ -31,7 +31,7 @@ from qflow import protocol as P
 from qflow.client.errors import ConnectionClosed
 from qflow.client.message import _Deliveries
 from qflow.client.session import Session
-from qflow.protocol import DELIVER, DELIVER_RUN
+from qflow.protocol import DELIVER, DELIVER_PART, DELIVER_RUN
 from qflow.protocol.connection import (
     Completed,
     ConnectionEnd,
@@ -47,6 +47,7 @@ from qflow.protocol.connection import (
 )
 from qflow.protocol.entries import EntryError
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingError
+from qflow.protocol.parts import PartJoiner
 
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
 
@@ -179,6 +180,7 @@ class Connection:
         self._writer_done = trio.Event()
         self._tasks_done = trio.Event()
         self._close_started = False
+        self._parts = PartJoiner()
 
     @property
     def user(self) -> str:
@@ -348,6 +350,11 @@ class Connection:
         receiver = None  # the last receiver given deliveries: woken once per batch
         for frame in self.decoder.frames():
             code = frame[0]
+            if code == DELIVER_PART:  # a message larger than a frame, in parts: delivered once joined
+                frame = self._parts.add(frame)
+                if frame is None:
+                    continue
+                code = DELIVER_RUN
             if code == DELIVER_RUN or code == DELIVER:
                 ssn = sessions.get(frame[1]) if len(frame) > 2 else None
                 r = ssn.receivers.get(frame[2]) if ssn is not None else None

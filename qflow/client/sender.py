@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from qflow import protocol as P
-from qflow.client.errors import FlowControlTimeout, QflowError
+from qflow.client.errors import FlowControlTimeout, QflowError, ResourceLimitExceeded
 from qflow.client.pacing import pace
 from qflow.protocol.encodings import bin_header, transfer_prefix
 from qflow.protocol.names import printable
@@ -149,7 +149,10 @@ class Sender:
         """Send one message; waits while ``capacity`` transfers are incomplete.
         ``durable`` (default: the sender's) marks it persistent: on a durable
         queue its transfer completes only once the broker has it on disk.
-        Raises the broker's error for an earlier transfer that it refused."""
+        Raises the broker's error for an earlier transfer that it refused, and
+        ResourceLimitExceeded (nothing sent, the session still usable) for a
+        message whose transfer would be larger than the connection's
+        negotiated frame size."""
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
@@ -200,7 +203,27 @@ class Sender:
         if type(body) is not bytes:
             body = _to_bytes(body)
         head = self._head_for(routing_key, props)
+        self._check_size(len(body), head)
         return body, self._plain_prefix(len(body)) if head is None else head + bin_header(len(body))
+
+    def _max_body(self, head: bytes | None) -> int:
+        """The largest body that surely fits a transfer with ``head`` (or the
+        plain head) in the connection's negotiated frame size."""
+        return self._conn.max_frame_size - len(self._head if head is None else head) - 5  # bin 32's header
+
+    def _check_size(self, size: int, head: bytes | None) -> None:
+        """Refuse a body the broker could not take: a frame over the negotiated
+        size would end the whole connection (the broker's 506), so the send is
+        refused here, and the session stays usable."""
+        if size <= self._max_body(head):
+            return
+        limit = self._conn.max_frame_size
+        frame = len(self._head if head is None else head) + len(bin_header(size)) + size
+        if frame > limit:
+            raise ResourceLimitExceeded(
+                P.RESOURCE_LIMIT_EXCEEDED, f"message too large: its transfer would be {frame} bytes, and this "
+                f"connection's frames are at most {limit} bytes (the negotiated max_frame_size; the broker's "
+                f"--max-frame-size); not sent")
 
     async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
                         message_id: str | None = None, correlation_id: str | None = None,
@@ -212,7 +235,9 @@ class Sender:
         ``send_many`` waits while it is reached), at a fraction of the cost per
         message: transfers are encoded in runs as long as the window allows.
         A refusal of an earlier transfer is raised, and the bodies not yet sent
-        then are not sent."""
+        then are not sent. A body too large for the connection's frames raises
+        ResourceLimitExceeded: the bodies before it are sent, it and those
+        after it are not."""
         if durable is None:
             durable = self._durable
         if self._interval:  # paced: one at a time is the point
@@ -247,19 +272,30 @@ class Sender:
         """Number and write a run of transfers, as send does one: each is its
         prefix (cached if plain, ``head`` and its bin header if not) and body."""
         n = len(bodies)
-        self._commands.send_run(self, n)
         parts = self._parts
         if not parts:
             self._conn._wake.set()
         append = parts.append
+        start = len(parts)
+        max_body = self._max_body(head)
         for body in bodies:
             if type(body) is not bytes:
                 body = _to_bytes(body)
+            if len(body) > max_body:
+                try:
+                    self._check_size(len(body), head)
+                except ResourceLimitExceeded:
+                    n = (len(parts) - start) // 2  # the bodies before it go, numbered; it and the rest do not
+                    self._commands.send_run(self, n)
+                    self.incomplete += n
+                    raise
             if head is not None:
                 append(head + bin_header(len(body)))
             else:
                 append(self._prefix if len(body) == self._prefix_size else self._plain_prefix(len(body)))
             append(body)
+        # Numbered once written: nothing else writes to this session's commands in between.
+        self._commands.send_run(self, n)
         self.incomplete += n
         if self.incomplete > self.max_incomplete:
             self.max_incomplete = self.incomplete

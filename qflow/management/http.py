@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 import h11
@@ -88,6 +88,9 @@ def unauthorized(headers: list[tuple[bytes, bytes]], authenticate: Authenticate 
     return response
 
 
+ServeListeners = Callable[[Callable[[trio.SocketStream], Awaitable[None]], list[trio.SocketListener]], Awaitable[None]]
+
+
 class ManagementServer:
     """Serves a ManagementApi over HTTP/1.1.
 
@@ -105,22 +108,26 @@ class ManagementServer:
 
     def __init__(self, api: ManagementApi, *, timeout: float = DEFAULT_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, authenticate: Authenticate | None = None,
-                 guard: RequestGuard | None = None) -> None:
+                 guard: RequestGuard | None = None, serve_listeners: ServeListeners | None = None) -> None:
         """``authenticate``: every request needs HTTP Basic credentials it accepts (401 without).
-        ``guard``: the Host, Origin and Content-Type rules (default: the broker's own names only)."""
+        ``guard``: the Host, Origin and Content-Type rules (default: the broker's own names only).
+        ``serve_listeners(handler, listeners)`` runs the accept loop
+        (trio.serve_listeners if None; qflowd passes its own, which no accept
+        error ends and which logs such errors once per interval)."""
         self.api = api
         self.authenticate = authenticate
         self.guard = guard if guard is not None else RequestGuard()
         self.timeout = timeout
         self.max_connections = max_connections
         self.active = 0
+        self._serve_listeners = serve_listeners or trio.serve_listeners
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
                     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.guard.listen_on(host)
         task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._handle, listeners)
+        await self._serve_listeners(self._handle, listeners)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:

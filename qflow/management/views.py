@@ -134,7 +134,7 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
         age = max(0.0, trio_now - conn.connected_at) if trio_now is not None else 0.0
         out.append({
             "name": conn.name, "user": conn.user, "peer": conn.peer, "connectedAt": iso(now - age),
-            "connectedSeconds": round(age, 3),
+            "connectedSeconds": round(age, 3), "outputBytes": conn.output_bytes,
             "sessions": [session_view(broker, s, now) for _, s in sorted(conn.sessions.items())],
         })
     return out

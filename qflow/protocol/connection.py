@@ -62,6 +62,11 @@ glue registered.
 Heartbeats: after the open, ``heartbeat_deadline`` says when to call
 :meth:`send_heartbeat`; ``peer_deadline`` says when a silent peer is dead
 (twice the interval after the last bytes from it; :meth:`peer_timed_out`).
+The same deadline carries the server's other two clocks: before the open,
+the handshake's (``negotiate_time`` after the start, qpidd's
+--max-negotiate-time); once open without heartbeats, ``idle_timeout`` after
+the peer's last bytes. A server that refuses a connection before any of
+this (a connection limit) sends :func:`refusal`'s bytes.
 
 Close: whoever decides to end the connection calls :meth:`close` (the
 first reason given wins) and, once nothing else is to be written,
@@ -230,7 +235,8 @@ class ProtocolConnection:
     def __init__(self, role: Role, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, name: str = "",
                  heartbeat: float = 0, now: float = 0.0, users: sasl.Users | None = None,
                  secret: bytes = b"", username: str | None = None, password: str = "",
-                 mechanism: str | None = None, announce: dict[str, Any] | None = None) -> None:
+                 mechanism: str | None = None, announce: dict[str, Any] | None = None, negotiate_time: float = 0.0,
+                 idle_timeout: float = 0.0, admit: Callable[[str], str | None] | None = None) -> None:
         """A server (``max_frame_size``: its own limit; ``users``: check
         credentials against them, None: authentication off; ``secret``: for
         the decoys of unknown users) waits for the client. A client
@@ -242,7 +248,11 @@ class ProtocolConnection:
         ``announce`` (server): extra properties of ``connection.open-ok``, read
         when the open is answered (so the glue may fill it in later), such as
         ``management_port``: how the tools find the management API from the
-        broker's one address."""
+        broker's one address. ``negotiate_time`` (seconds, 0: none) is how
+        long a server gives the handshake, authentication included;
+        ``idle_timeout`` (0: none) how long a peer that negotiated no
+        heartbeat may send nothing. ``admit(user)``, once a server knows who
+        the client is, says why it may not connect (a per-user limit), or None."""
         self.role = role
         self.announce = announce if announce is not None else {}
         self.peer_properties: dict[str, Any] = {}  # a client: the broker's open-ok options
@@ -264,6 +274,10 @@ class ProtocolConnection:
         self.close_frame: list[Any] | None = None
         self._table = _TABLES[role]
         self._heard_at = now  # when bytes last came from the peer
+        self.negotiate_time = negotiate_time
+        self._open_by = now + negotiate_time if negotiate_time else math.inf
+        self.idle_timeout = idle_timeout
+        self._admit = admit
         self._beat_due = math.inf
         self._attaching: set[int] = set()  # client: attach sent, attached not yet heard
         self._next_channel = 0
@@ -415,7 +429,12 @@ class ProtocolConnection:
         return AuthFailed(user, detail)
 
     def _negotiate(self, user: str, server_final: bytes | None = None) -> Opened:
-        """Server: the open is accepted and authenticated: answer it."""
+        """Server: the open is accepted and authenticated: answer it, unless
+        ``admit`` refuses the user (506, with its reason)."""
+        if self._admit is not None:
+            reason = self._admit(user)
+            if reason is not None:
+                raise self._refuse(P.RESOURCE_LIMIT_EXCEEDED, reason)
         name, heartbeat, max_frame_size, deliver_runs = self._open_options
         self.name = name
         self.user = user
@@ -594,9 +613,16 @@ class ProtocolConnection:
 
     @property
     def peer_deadline(self) -> float:
-        """When a peer that sends nothing more counts as dead: twice the
-        heartbeat after the last bytes from it (inf without heartbeats)."""
-        return self._heard_at + 2 * self.heartbeat if self.heartbeat else math.inf
+        """When a peer that sends nothing more counts as dead: before the
+        open, the handshake's deadline (``negotiate_time`` after the start);
+        once open, twice the heartbeat after the last bytes from it, or
+        without heartbeats ``idle_timeout`` after them (inf if neither)."""
+        beat = self._heard_at + 2 * self.heartbeat if self.heartbeat else math.inf
+        if self.state in _NEGOTIATING:
+            return min(self._open_by, beat)
+        if self.heartbeat:
+            return beat
+        return self._heard_at + self.idle_timeout if self.idle_timeout else math.inf
 
     def _heartbeat(self, frame: list[Any]) -> None:
         return None  # receive_data has noted the time
@@ -604,7 +630,13 @@ class ProtocolConnection:
     def peer_timed_out(self) -> ConnectionEnd:
         """The refusal of a peer silent past ``peer_deadline``."""
         timeout = self.heartbeat * 2
+        if self.state in _NEGOTIATING and self._open_by <= self.peer_deadline:
+            return self._refuse(P.CONNECTION_FORCED, f"handshake not finished within {self.negotiate_time:g} "
+                                "seconds (--max-negotiate-time)")
         if self.role is Role.SERVER:
+            if not self.heartbeat:
+                return self._refuse(P.CONNECTION_FORCED, f"no frame for {self.idle_timeout:g} seconds "
+                                    "(--idle-timeout)")
             return self._refuse(P.CONNECTION_FORCED, f"no frame for {timeout} seconds (heartbeat)")
         return self._refuse(P.CONNECTION_FORCED, f"no frame from the broker for {timeout} s")
 
@@ -658,6 +690,15 @@ class ProtocolConnection:
         return self.state is State.OPEN
 
 
+def refusal(code: int, text: str) -> bytes:
+    """Server: the bytes that refuse a connection before its handshake has
+    begun (a limit is reached): ``connection.close`` [code, text], which a
+    client in OPENING reads as the broker's close."""
+    encoder = FrameEncoder()
+    encoder.write([P.CLOSE, code, text])
+    return encoder.take()
+
+
 _NONE = object()
 
 
@@ -671,6 +712,7 @@ class _NoUsers:
 
 
 _NO_USERS = _NoUsers()
+_NEGOTIATING = (State.AWAIT_OPEN, State.OPENING, State.AUTHENTICATING)
 _EOF_TEXT = {Role.SERVER: "connection closed by the client", Role.CLIENT: "connection closed by the broker"}
 _C = ProtocolConnection
 Handler = Callable[[ProtocolConnection, list[Any]], Any]

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, REDELIVERED_YES
-from qflow.protocol.spec import DELIVER, DELIVER_RUN, TRANSFER
+from qflow.protocol.spec import DELIVER, DELIVER_PART, DELIVER_RUN, TRANSFER
 
 # A message.transfer is an array of six: msgpack's fixarray header for 6, then
 # the code 30 as a positive fixint. A frame whose first two bytes are these is
@@ -77,6 +77,22 @@ def deliver_run_packer(channel: int, destination: str) -> tuple[Callable[..., by
     delivery id, u32 count, bin32 header), and ``size`` is how long that is."""
     head = deliver_run_head(channel, destination)
     struct = Struct(f">{len(head)}sBQBIBI")
+    return partial(struct.pack, head), struct.size
+
+
+def deliver_part_head(channel: int, destination: str) -> bytes:
+    """message.deliver-part's first bytes, up to its delivery id:
+    ``[21, channel, destination, ...`` (an array of 6)."""
+    return b"\x96" + _packb(DELIVER_PART) + _packb(channel) + _packb(destination)
+
+
+def deliver_part_packer(channel: int, destination: str) -> tuple[Callable[..., bytes], int]:
+    """``(pack, size)``: ``pack(0xCF, delivery_id, more, 0xC6, nbytes)`` is a
+    message.deliver-part frame up to its chunk of ``nbytes`` (u64 delivery id,
+    ``more`` 0xC3 (true) on every part but the last (0xC2, false), bin32
+    header), and ``size`` is how long that is."""
+    head = deliver_part_head(channel, destination)
+    struct = Struct(f">{len(head)}sBQBBI")
     return partial(struct.pack, head), struct.size
 
 

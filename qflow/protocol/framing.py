@@ -10,6 +10,7 @@ claiming gigabytes is refused before anything is allocated for it.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ PROTOCOL_VERSION = (1, 0)
 DEFAULT_MAX_FRAME_SIZE = 1024 * 1024
 MIN_MAX_FRAME_SIZE = 4096
 READ_SIZE = 256 * 1024
+INITIAL_BUFFER = 16 * 1024  # a decoder's first buffer; it grows with the reads
 
 
 class FramingError(Exception):
@@ -67,6 +69,9 @@ class FrameDecoder:
     def _new_unpacker(max_frame_size: int) -> msgpack.Unpacker:
         # The buffer must hold one partial maximal frame plus one read.
         return msgpack.Unpacker(
+            # The buffer starts small and grows to what the reads need: an idle
+            # connection costs kilobytes, not msgpack's default 1 MiB.
+            read_size=INITIAL_BUFFER,
             raw=False,
             use_list=True,
             strict_map_key=False,
@@ -279,13 +284,23 @@ class FrameEncoder:
     any other frame after them, so order is kept. A list, not a growing
     bytearray: a bytearray grown by a few hundred KiB a batch is copied over
     and over as it grows; the join copies each byte once.
+
+    The broker's deliveries count what they add in ``queued``; the glue
+    counts in ``sending`` what it took and has not yet written. Deliveries
+    stop while the two together reach ``limit`` (see
+    ``SessionOutput.room``): that is how a connection that stops reading
+    stops receiving, its messages waiting in their queues.
     """
 
-    __slots__ = ("parts", "_pack")
+    __slots__ = ("parts", "_pack", "queued", "sending", "limit")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = sys.maxsize) -> None:
         self.parts: list[bytes] = []
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        # A small first buffer (msgpack's default is 256 KiB): it grows to the largest frame packed.
+        self._pack = msgpack.Packer(use_bin_type=True, buf_size=INITIAL_BUFFER).pack
+        self.queued = 0  # bytes of deliveries in parts
+        self.sending = 0  # bytes taken and not yet written (the glue keeps it)
+        self.limit = limit  # most bytes of deliveries queued or being sent (unbounded unless the glue says)
 
     def write(self, frame: Any) -> None:
         self.parts.append(self._pack(frame))
@@ -296,6 +311,7 @@ class FrameEncoder:
     def take(self) -> bytes:
         data = b"".join(self.parts)
         self.parts.clear()
+        self.queued = 0
         return data
 
     def __len__(self) -> int:

@@ -34,6 +34,9 @@ FLOW_NOTICE = 19  # [19, ch, queue, held]: this session's transfers are (no long
 # [20, ch, destination, first_delivery_id, count, entries]: COUNT deliveries at once, to a connection that
 # asked for them (connection.open's deliver_runs); entries is bin, see qflow.protocol.entries
 DELIVER_RUN = 20
+# [21, ch, destination, delivery_id, more, chunk]: one message too large for a frame, in parts: the chunks of
+# one delivery id, in order, joined, are its stored entry as in a deliver-run's entries; more is false on the last
+DELIVER_PART = 21
 
 # -- commands: each consumes one command id -----------------------------------
 FIRST_COMMAND = 30

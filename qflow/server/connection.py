@@ -13,6 +13,7 @@ a ``connection.close`` naming the fault; other connections carry on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -27,6 +28,13 @@ from qflow.server.pump import ConnectionPump
 
 log = logging.getLogger("qflow.server")
 
+# Bytes of deliveries a connection may have queued or in the socket's send at
+# once. Past it the broker delivers nothing more to it until its peer reads:
+# a consumer that stops reading keeps its messages in their queues, not in
+# the broker's memory. Two of the largest frames: one being written while the
+# next is gathered, so a consumer that keeps up never waits on this limit.
+OUTPUT_LIMIT_FRAMES = 2
+
 
 def _negotiated(attr: str) -> property:
     """A connection's read-only view of its protocol state's ``attr``."""
@@ -38,15 +46,19 @@ class Connection:
     ``name``, ``user``, ``peer``, ``connected_at`` and ``sessions``."""
 
     def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
-                 users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None) -> None:
+                 users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
+                 negotiate_time: float = 0.0, idle_timeout: float = 0.0,
+                 admit: Callable[[str], str | None] | None = None) -> None:
         self.broker = broker
         self.stream = stream
         self.peer = peer
         self.connected_at = trio.current_time()
         self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened, users,
-                                   secret, announce)
+                                   secret, announce, negotiate_time=negotiate_time, idle_timeout=idle_timeout,
+                                   admit=admit)
         self.protocol = self.pump.protocol
         self.encoder = self.pump.encoder
+        self.encoder.limit = OUTPUT_LIMIT_FRAMES * max_frame_size
         self.sessions: dict[int, BrokerSession] = self.pump.sessions
         self._wake = trio.Event()
         self._closing = False  # the connection is ending: the writer sends what is queued and returns
@@ -61,6 +73,11 @@ class Connection:
     max_frame_size = _negotiated("max_frame_size")
     deliver_runs = _negotiated("deliver_runs")
     user = _negotiated("user")
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of deliveries queued for this connection or being written to it."""
+        return self.encoder.queued + self.encoder.sending
 
     def wake(self) -> None:
         self._wake.set()
@@ -155,14 +172,19 @@ class Connection:
         nothing more is written to it, not even a close frame."""
         encoder = self.encoder
         send_all = self.stream.send_all
+        broker = self.broker
         with self._writer_scope:
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 while encoder.parts:
                     data = encoder.take()
+                    encoder.sending = len(data)
                     try:
                         await send_all(data)
+                        encoder.sending = 0
+                        if broker.stalled and not self._closing:
+                            broker.output_drained()  # ours, or another's: dispatching a full one is a no-op
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         self._torn = True
                         self._nursery.cancel_scope.cancel()  # the peer is gone: the reader stops too

@@ -33,6 +33,7 @@ from qflow.broker.memory_alarm import MemoryAlarm
 from qflow.management import ManagementApi, ManagementServer, RequestGuard
 from qflow.protocol.entries import Entry
 from qflow.protocol.sasl import check_password, decoy_verifier
+from qflow.server.admission import serve_listeners
 from qflow.server.listener import Server
 from qflow.server.memory_monitor import run_memory_monitor
 from qflow.server.store_task import run_store
@@ -164,7 +165,7 @@ async def run(args: argparse.Namespace) -> None:
                  len(acl.groups), acl_file)
     users = open_users(args)
     tls = server_ssl_context(args.ssl_cert_file, args.ssl_key_file) if args.ssl_cert_file else None
-    server = Server(broker, args.max_frame_size, users)
+    server = Server(broker, args.max_frame_size, users, args.limits)
     with ExitStack() as resources:
         data_dir = None
         journal = None
@@ -234,7 +235,11 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             ssl_port = None
             if tls is not None:
                 ssl_port = await _start(nursery, "TLS", server.serve, args.host, args.ssl_port, tls)
+            limits = args.limits
             options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
+                       "maxConnections": limits.max_connections, "connectionLimitPerIp": limits.per_ip,
+                       "connectionLimitPerUser": limits.per_user,
+                       "maxNegotiateTime": round(limits.negotiate_time * 1000), "idleTimeout": limits.idle_timeout,
                        "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir,
                        "storeOverfullSize": args.store_quota.overfull if journal is not None else None,
                        "storeUnderfullSize": args.store_quota.resume if journal is not None else None,
@@ -246,7 +251,8 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                                 reload_acl=acl_reloader(broker, args.acl_file) if args.acl_file else None)
             mgmt = ManagementServer(api, timeout=args.mgmt_timeout,
                                     authenticate=management_authenticator(server.users, server.secret),
-                                    guard=RequestGuard(args.mgmt_allowed_hosts))
+                                    guard=RequestGuard(args.mgmt_allowed_hosts),
+                                    serve_listeners=serve_listeners)
             mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
             api.options["mgmtPort"] = mgmt_port
             # The tools take the broker's one address (as Qpid's do) and learn the management port from the

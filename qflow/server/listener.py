@@ -1,4 +1,11 @@
-"""qflowd's listener: accepts connections and runs each in its own task."""
+"""qflowd's listener: accepts connections, admits them within the
+connection limits (qflow.server.admission), and runs each in its own task.
+
+Nothing a single connection does, or fails to do, ends the listener: an
+accept error is retried, a connection over a limit is refused with a reason,
+and an error while a connection is being set up or served (even running out
+of memory building it) ends that connection only.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,20 @@ from typing import Any
 
 import trio
 
+from qflow import protocol as P
 from qflow.broker import Broker
+from qflow.protocol.connection import refusal
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from qflow.protocol.sasl import Users
+from qflow.server.admission import (
+    MAX_LINGERING,
+    Admission,
+    ConnectionLimits,
+    Throttle,
+    accept_forever,
+    send_refusal,
+    socket_of,
+)
 from qflow.server.connection import Connection
 
 log = logging.getLogger("qflow.server")
@@ -20,17 +38,26 @@ log = logging.getLogger("qflow.server")
 class Server:
     """The broker's listener and its connections."""
 
-    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, users: Users | None = None
-                 ) -> None:
-        """``users``: clients must authenticate against them (None: authentication off)."""
+    def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, users: Users | None = None,
+                 limits: ConnectionLimits | None = None) -> None:
+        """``users``: clients must authenticate against them (None: authentication off);
+        ``limits``: on connections (qpidd's defaults if None)."""
         self.broker = broker
         self.max_frame_size = max_frame_size
         self.users = users
         self.secret = os.urandom(32)  # unknown users' decoy verifiers: fixed per name while the broker runs
+        self.limits = limits or ConnectionLimits()
+        self.admission = Admission(self.limits)  # one count over every port (plain and TLS)
+        self.throttle = Throttle()
         self.connections: set[Connection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
+        self.refused = 0  # connections refused over a limit, since start
         self.started_at = 0.0
+        self._lingering = 0  # refused connections still being told why
+        # Encoded now: when they are needed there may be no memory to encode them.
+        self._no_memory = refusal(P.RESOURCE_LIMIT_EXCEEDED, "broker out of memory")
+        self._internal_error = refusal(P.INTERNAL_ERROR, "internal broker error")
 
     async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -42,19 +69,64 @@ class Server:
             listeners = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host)
         self.started_at = self.started_at or trio.current_time()
         async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(accept_forever, listener, self._handle, nursery, self.throttle)
             first = listeners[0]
             sock = first.transport_listener.socket if isinstance(first, trio.SSLListener) else first.socket
             task_status.started(sock.getsockname()[1])
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
 
     async def _handle(self, stream: trio.SocketStream | trio.SSLStream) -> None:
-        sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        peer = "?"
         try:
-            host, port = sock.getpeername()[:2]
-            peer = f"{host}:{port}"
-        except OSError:
-            peer = "?"
-        conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce)
+            sock = socket_of(stream)
+            try:
+                host, port = sock.getpeername()[:2]
+                peer = f"{host}:{port}"
+            except OSError:
+                host = "?"
+            reason = self.admission.refuse(host)
+            if reason is not None:
+                await self._refuse(stream, peer, reason)
+                return
+            self.admission.enter(host)
+            try:
+                await self._serve(stream, sock, peer)
+            finally:
+                self.admission.leave(host)
+        except Exception as exc:  # MemoryError included: this connection ends, the broker carries on
+            await self._failed(stream, peer, exc)
+
+    async def _failed(self, stream: trio.SocketStream | trio.SSLStream, peer: str, exc: Exception) -> None:
+        """A connection failed outside its own error handling (being built,
+        most likely for want of memory): log it, tell the client with a frame
+        encoded in advance, close. Nothing here may raise: it would end the
+        listener, and with it the broker."""
+        try:
+            self.throttle.log(logging.ERROR, "setup", "connection %s failed: %r", peer, exc)
+        except Exception:  # noqa: S110 - out of memory even to log: the client is still told
+            pass
+        try:
+            await send_refusal(stream, self._no_memory if isinstance(exc, MemoryError) else self._internal_error)
+        except Exception:
+            socket_of(stream).close()
+
+    async def _serve(self, stream: trio.SocketStream | trio.SSLStream, sock: trio.socket.SocketType,
+                     peer: str) -> None:
+        admitted: list[str] = []  # the user counted for this connection, once authenticated
+
+        def admit(user: str) -> str | None:
+            reason = self.admission.refuse_user(user)
+            if reason is None:
+                self.admission.enter_user(user)
+                admitted.append(user)
+            else:
+                self.refused += 1
+                self.throttle.log(logging.WARNING, "refused", "refused connection from %s: %s", peer, reason)
+            return reason
+
+        conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
+                          negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
+                          admit=admit if self.limits.per_user else None)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
@@ -66,3 +138,17 @@ class Server:
             log.exception("connection %s failed", peer)
         finally:
             self.connections.discard(conn)
+            for user in admitted:
+                self.admission.leave_user(user)
+
+    async def _refuse(self, stream: trio.SocketStream | trio.SSLStream, peer: str, reason: str) -> None:
+        self.refused += 1
+        self.throttle.log(logging.WARNING, "refused", "refused connection from %s: %s", peer, reason)
+        if self._lingering >= MAX_LINGERING:  # a flood: no time for reasons
+            socket_of(stream).close()
+            return
+        self._lingering += 1
+        try:
+            await send_refusal(stream, refusal(P.RESOURCE_LIMIT_EXCEEDED, reason))
+        finally:
+            self._lingering -= 1

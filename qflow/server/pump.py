@@ -48,12 +48,17 @@ class ConnectionPump:
 
     def __init__(self, broker: Broker, max_frame_size: int, now: float,
                  wake: Callable[[], None] = _nothing, on_opened: Callable[[Opened], None] = _nothing,
-                 users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None) -> None:
+                 users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
+                 negotiate_time: float = 0.0, idle_timeout: float = 0.0,
+                 admit: Callable[[str], str | None] | None = None) -> None:
         """``users``: authenticate clients against them (None: authentication
-        off); ``secret``: the broker's, for unknown users' decoy verifiers."""
+        off); ``secret``: the broker's, for unknown users' decoy verifiers;
+        ``negotiate_time`` and ``idle_timeout``: the connection's clocks
+        (qflow.protocol.connection); ``admit``: the per-user limit's check."""
         self.broker = broker
         self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=now, users=users,
-                                           secret=secret, announce=announce)
+                                           secret=secret, announce=announce, negotiate_time=negotiate_time,
+                                           idle_timeout=idle_timeout, admit=admit)
         self.decoder = self.protocol.decoder
         self.encoder = self.protocol.encoder
         self.sessions: dict[int, BrokerSession] = self.protocol.sessions
