@@ -423,10 +423,14 @@ class Broker:
 
     def put_back(self, queues: list[Queue], entries: list[Entry]) -> None:
         """Released or abandoned deliveries go back to their queues, marked
-        redelivered, newest first so each lands in its old place."""
-        for q, e in sorted(zip(queues, entries, strict=True), key=lambda item: -seq_of(item[1])):
+        redelivered, each to its old place."""
+        by_queue: dict[Queue, list[Entry]] = {}
+        for q, e in zip(queues, entries, strict=True):
+            by_queue.setdefault(q, []).append(redelivered(e))
+        for q, es in by_queue.items():
             if not q.deleted:
-                q.put_back(redelivered(e))
+                es.sort(key=seq_of)
+                q.put_back_many(es)
 
     # -- the end of a batch ---------------------------------------------------
     def _apply(self) -> None:
