@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import msgpack
@@ -41,6 +41,21 @@ log = logging.getLogger("qflow.broker")
 
 MAX_NAME = 255
 MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions are remembered for
+
+# The most messages one step of a long command (purge, delete, remove-through) handles:
+# between two steps the server serves every other connection (issue 17).
+SLICE = 10_000
+
+Steps = Generator[None, None, int]  # a long command's steps; its value is the command's count
+
+
+def finish(steps: Steps) -> int:
+    """Run every step of ``steps`` at once (the management API, tests); its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _load_transfer_runs(enabled: bool | None) -> Any:
@@ -82,6 +97,9 @@ class Broker:
         # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
         self.config_hooks = ConfigHooks()
         self.acl: Acl | None = None  # None: everything is allowed (no --acl-file)
+        # A long command the last execute() started and did not finish in one step
+        # (qflow.broker.commands.Unfinished): its connection takes it and runs the rest.
+        self.unfinished: Any = None
 
     @property
     def acct(self) -> Accounting:
@@ -569,6 +587,26 @@ class Broker:
         self.delete_queue_now(q, recorded=True)
         return count
 
+    def delete_queue_steps(self, name: str, if_empty: bool = False, if_unused: bool = False,
+                           by: BrokerSession | None = None) -> Steps:
+        """:meth:`delete_queue`, whose messages are then let go of SLICE at a
+        time (freeing millions at once would hold the loop for seconds); the
+        queue itself is gone at the first step. Its value: the messages it had."""
+        q = self.queue("queue.delete", name)
+        entries = q.entries
+        count = self.delete_queue(name, if_empty, if_unused, by)
+        return self._drop(entries, count)
+
+    @staticmethod
+    def _drop(entries: Any, count: int) -> Steps:
+        pop = entries.pop
+        while entries:
+            for _ in range(min(SLICE, len(entries))):
+                pop()
+            if entries:
+                yield
+        return count
+
     def delete_queue_now(self, q: Queue, recorded: bool = False) -> None:
         """Delete ``q`` now. Unless the caller has already told the config
         hooks (``recorded``), they are told here, and a refusal is only
@@ -598,13 +636,29 @@ class Broker:
         including ``sequence`` (a browsing reader's commit). Dequeuing releases
         held producers exactly as consuming does. Acquired messages stay with
         their consumers."""
+        return finish(self.remove_through_steps(name, sequence, by))
+
+    def remove_through_steps(self, name: str, sequence: int, by: BrokerSession | None = None) -> Steps:
+        """:meth:`remove_through`, SLICE messages per step."""
         q = self.queue("queue.remove-through", name)
         self.check_owner(q, "queue.remove-through", by)
+        return self._remove_through(q, sequence)
+
+    def _remove_through(self, q: Queue, sequence: int) -> Steps:
         entries = q.entries
         n = 0
-        while entries and seq_of(entries[0]) <= sequence:
-            q.dequeue(entries.popleft())
-            n += 1
+        while not q.deleted:
+            self._apply()
+            batch = []
+            while entries and len(batch) < SLICE and seq_of(entries[0]) <= sequence:
+                batch.append(entries.popleft())
+            if batch:
+                q.dequeue_many(batch)
+                n += len(batch)
+            if len(batch) < SLICE:
+                break
+            yield
+        self._apply()
         return n
 
     def available(self, name: str, after: int, limit: int, by: BrokerSession | None = None) -> dict[str, Any]:
@@ -634,12 +688,37 @@ class Broker:
         return q.remove_sequences(sequences)
 
     def purge_queue(self, name: str, by: BrokerSession | None = None) -> int:
+        """Purge ``name`` at once (the management API); see :meth:`purge_steps`."""
+        return finish(self.purge_steps(name, by))
+
+    def purge_steps(self, name: str, by: BrokerSession | None = None) -> Steps:
+        """Purge the messages available on ``name`` now, SLICE at a time, at the
+        request of session ``by`` (None: the management API): the queue's
+        existence and owner are checked here; each step of the generator returned
+        removes up to SLICE of them, and its value is how many it removed.
+        Messages enqueued after the purge began are not purged."""
         q = self.queue("queue.purge", name)
         self.check_owner(q, "queue.purge", by)
-        self._apply()
-        n = len(q.entries)
-        q.dequeue_many(list(q.entries))
-        q.entries.clear()
+        return self._purge(q, q.next_seq - 1)
+
+    def _purge(self, q: Queue, newest: int) -> Steps:
+        entries = q.entries
+        n = 0
+        while True:
+            self._apply()  # dequeue_many reads which transfers the queue holds
+            k = min(SLICE, len(entries))
+            batch = [entries.popleft() for _ in range(k)]
+            if batch and seq_of(batch[-1]) > newest:  # the last slice: newer messages stay
+                newer = [e for e in batch if seq_of(e) > newest]
+                del batch[len(batch) - len(newer):]
+                entries.extendleft(reversed(newer))
+                k = 0
+            if batch and not q.deleted:
+                q.dequeue_many(batch)
+                n += len(batch)
+            if k < SLICE or not entries or q.deleted:
+                break
+            yield
         self._apply()
         return n
 

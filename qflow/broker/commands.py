@@ -9,6 +9,7 @@ module calls the model (qflow.broker.broker); the model never calls it. No I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import GeneratorType
 from typing import TYPE_CHECKING, Any
 
 from qflow import protocol as P
@@ -20,10 +21,17 @@ from qflow.protocol.names import check_name
 from qflow.protocol.ranges import RangeSet
 
 if TYPE_CHECKING:
-    from qflow.broker.broker import Broker
+    from qflow.broker.broker import Broker, Steps
     from qflow.broker.session import BrokerSession
 
 NO_COMPLETE = object()  # a handler's result: the command completes later (execution.sync)
+
+# Bounds on the work one command may ask for (issue 17): past them the command is
+# refused with RESOURCE_LIMIT_EXCEEDED, and the session, its connection and the
+# broker carry on. A client never needs more: its receivers accept consecutive
+# deliveries as one range, and its senders wait for each sync.
+MAX_RANGES = 10_000  # ranges in one message.accept or message.release
+MAX_WAITING_SYNCS = 1_000  # execution.sync commands of one session waiting for earlier commands
 
 
 def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, durable: bool, exclusive: bool,
@@ -40,15 +48,15 @@ def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, dur
 
 
 def _queue_delete(broker: Broker, ssn: BrokerSession, cid: int, queue: str, if_empty: bool,
-                  if_unused: bool) -> dict:
+                  if_unused: bool) -> Steps:
     broker.authorize(ssn.user, "delete", "queue", {"name": queue})
-    return {"messages": broker.delete_queue(queue, if_empty, if_unused, by=ssn)}
+    return broker.delete_queue_steps(queue, if_empty, if_unused, by=ssn)
 
 
-def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: str, sequence: int) -> dict:
+def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: str, sequence: int) -> Steps:
     # A browsing reader's commit removes what it read: it consumes.
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})
-    return {"messages": broker.remove_through(queue, sequence, by=ssn)}
+    return broker.remove_through_steps(queue, sequence, by=ssn)
 
 
 def _queue_available(broker: Broker, ssn: BrokerSession, cid: int, queue: str, after: int, limit: int) -> dict:
@@ -61,13 +69,13 @@ def _queue_remove_sequences(broker: Broker, ssn: BrokerSession, cid: int, queue:
                             sequences: list) -> dict:
     # A browsing reader's commit removes what it read: it consumes.
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})
-    return {"messages": broker.remove_sequences(queue, incarnation, _ids("queue.remove-sequences", sequences),
+    return {"messages": broker.remove_sequences(queue, incarnation, _ids("queue.remove-sequences", sequences, None),
                                                 by=ssn)}
 
 
-def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
+def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> Steps:
     broker.authorize(ssn.user, "purge", "queue", {"name": queue})
-    return {"messages": broker.purge_queue(queue, by=ssn)}
+    return broker.purge_steps(queue, by=ssn)
 
 
 def _queue_query(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
@@ -147,7 +155,12 @@ def _flow(broker: Broker, ssn: BrokerSession, cid: int, destination: str, messag
     c.queue.ready[c.queue] = None
 
 
-def _ids(command: str, wire: list) -> RangeSet:
+def _ids(command: str, wire: list, limit: int | None = MAX_RANGES) -> RangeSet:
+    """``wire`` as a RangeSet; past ``limit`` ranges (accept, release), refused."""
+    if limit is not None and type(wire) is list and len(wire) > 2 * limit:
+        raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
+                           f"{command}: {len(wire) // 2} ranges in one command, more than the limit of "
+                           f"{limit}; send them in several commands")
     try:
         return RangeSet.from_wire(wire)
     except ValueError as exc:
@@ -174,7 +187,12 @@ def _cancel(broker: Broker, ssn: BrokerSession, cid: int, destination: str) -> N
 
 
 def _sync(broker: Broker, ssn: BrokerSession, cid: int) -> object:
-    ssn.commands.sync(cid)
+    commands = ssn.commands
+    if commands.floor < cid and commands.waiting_syncs >= MAX_WAITING_SYNCS:
+        raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
+                           f"execution.sync: {commands.waiting_syncs} syncs of this session already wait for "
+                           f"earlier commands, the limit is {MAX_WAITING_SYNCS}")
+    commands.sync(cid)
     broker.flow.dirty[ssn] = None  # it may have completed at once: report it at the batch's end
     return NO_COMPLETE
 
@@ -212,5 +230,40 @@ def execute(broker: Broker, ssn: BrokerSession, command_id: int, code: int, args
     except CommandError as exc:
         broker.fail(ssn, command_id, exc.code, exc.text)
         return
+    if type(result) is GeneratorType:
+        work = Unfinished(ssn, command_id, result)
+        if not work.step(broker):
+            broker.unfinished = work  # the connection runs its other steps, serving others in between
+        return
     if result is not NO_COMPLETE:
         broker.done(ssn, command_id, result)
+
+
+class Unfinished:
+    """A long command (queue.purge, queue.delete, queue.remove-through) under
+    way: its steps each do a bounded slice of the work (qflow.broker.broker.SLICE);
+    the command completes, with its count as result, after the last one."""
+
+    __slots__ = ("session", "command_id", "steps")
+
+    def __init__(self, session: BrokerSession, command_id: int, steps: Steps) -> None:
+        self.session = session
+        self.command_id = command_id
+        self.steps = steps
+
+    def step(self, broker: Broker) -> bool:
+        """Run one step; True once the command is done (and reported)."""
+        try:
+            next(self.steps)
+        except StopIteration as stop:
+            broker.done(self.session, self.command_id, {"messages": stop.value})
+            return True
+        except CommandError as exc:
+            broker.fail(self.session, self.command_id, exc.code, exc.text)
+            return True
+        return False
+
+    def finish(self, broker: Broker) -> None:
+        """Run every step left, at once (its connection is closing)."""
+        while not self.step(broker):
+            pass

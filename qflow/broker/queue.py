@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from heapq import merge
 from collections.abc import Sequence
+from heapq import merge
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 

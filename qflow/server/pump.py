@@ -20,7 +20,7 @@ from typing import Any
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
-from qflow.broker.commands import execute
+from qflow.broker.commands import Unfinished, execute
 from qflow.protocol import CommandError
 from qflow.protocol.connection import (
     AttachRequested,
@@ -60,6 +60,9 @@ class ConnectionPump:
         self.transfer_heads: dict[int, bytes] = {}  # channel -> its transfers' first bytes
         self.wake = wake
         self.on_opened = on_opened
+        # A long command of this connection under way (qflow.broker.commands.Unfinished): until
+        # it is done, the frames after it wait in the decoder, so nothing overtakes it.
+        self.unfinished: Unfinished | None = None
 
     @property
     def opened(self) -> bool:
@@ -71,9 +74,21 @@ class ConnectionPump:
         self._handle_frames()
         self.broker.flush()
 
+    def step(self) -> None:
+        """One more step of the unfinished command; once it is done, the frames
+        that came after it are handled. The glue yields to others between two steps."""
+        if self.unfinished.step(self.broker):
+            self.unfinished = None
+            self._handle_frames()
+        self.broker.flush()
+
     def close_sessions(self) -> None:
-        """The connection is ending: every session is closed (deliveries
-        released, held transfers dropped), and the broker's batch ended."""
+        """The connection is ending: an unfinished command is finished, every
+        session is closed (deliveries released, held transfers dropped), and
+        the broker's batch ended."""
+        if self.unfinished is not None:
+            self.unfinished.finish(self.broker)
+            self.unfinished = None
         for ssn in list(self.sessions.values()):
             if ssn is not None:
                 self.broker.close_session(ssn)
@@ -139,6 +154,9 @@ class ConnectionPump:
                     broker.fail(ssn, cid, exc.code, exc.text)
                     continue
                 execute(broker, ssn, cid, code, args)
+                if broker.unfinished is not None:
+                    self.unfinished, broker.unfinished = broker.unfinished, None
+                    break
             else:
                 self._control(frame)
                 last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
