@@ -12,7 +12,9 @@ the command is refused with a clear error, and the session carries on.
 from __future__ import annotations
 
 import pytest
+import trio
 
+import qflow
 import qflow.broker.broker as broker_module
 import qflow.broker.commands as commands_module
 import qflow.broker.queue as queue_module
@@ -305,3 +307,41 @@ def test_syncs_past_the_limit_are_refused_and_the_rest_complete_on_release(monke
     assert ssn.call(P.QUEUE_PURGE, "stop") == {"messages": 2}
     assert not ssn.incomplete([held, *syncs])
     assert ssn.call(P.SYNC) is None  # and this one works again
+
+
+# -- over loopback, through the real server and client ----------------------------------------------------
+async def test_a_client_is_answered_while_another_purges_a_deep_queue(running, monkeypatch):
+    """The purge freeze end to end: a probe on another connection does round
+    trips while a purge of 20,000 messages runs in 100 steps; some of its
+    answers come in the middle (0 < depth < 20,000), and nothing but the
+    purged messages is lost."""
+    monkeypatch.setattr(broker_module, "SLICE", 200)
+    n = 20_000
+    async with qflow.open_connection(running.host, running.port) as purger, \
+            qflow.open_connection(running.host, running.port) as prober:
+        ssn = await purger.session()
+        probe = await prober.session()
+        await ssn.declare_queue("deep")
+        await ssn.declare_queue("kept")
+        sender = ssn.sender("deep", capacity=5000)
+        for i in range(n):
+            await sender.send(b"%d" % i)
+        await sender.sync()
+        kept = probe.sender("kept", capacity=10)
+        depths: list[int] = []
+        purged: list[dict] = []
+
+        async def purge() -> None:
+            purged.append(await ssn.purge_queue("deep"))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(purge)
+                while not purged:
+                    depths.append((await probe.query_queue("deep"))["msgDepth"])
+                    await kept.send(b"k")
+        await kept.sync()
+        assert purged == [{"messages": n}]
+        assert any(0 < d < n for d in depths), f"no answer during the purge: {sorted(set(depths))[:5]}..."
+        assert (await probe.query_queue("kept"))["msgDepth"] == len(depths)
+        assert (await probe.query_queue("deep"))["msgDepth"] == 0
