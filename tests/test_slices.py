@@ -345,3 +345,47 @@ async def test_a_client_is_answered_while_another_purges_a_deep_queue(running, m
         assert any(0 < d < n for d in depths), f"no answer during the purge: {sorted(set(depths))[:5]}..."
         assert (await probe.query_queue("kept"))["msgDepth"] == len(depths)
         assert (await probe.query_queue("deep"))["msgDepth"] == 0
+
+
+@pytest.mark.parametrize("method, path, answer", [
+    ("POST", "/api/queues/deep/purge", {"queue": "deep", "purged": 20_000}),
+    ("DELETE", "/api/queues/deep", {"queue": "deep", "deleted": True, "messages": 20_000}),
+])
+async def test_a_client_is_answered_while_the_management_api_purges_or_deletes(nursery, monkeypatch, method, path,
+                                                                              answer):
+    """The management API's purge and delete work in the same steps, the
+    HTTP server yielding between two: a probe's round trips are answered
+    in the middle."""
+    from qflow.management import ManagementApi, ManagementServer
+    from tests.conftest import start_broker
+    from tests.test_management import http
+
+    monkeypatch.setattr(broker_module, "SLICE", 200)
+    n = 20_000
+    running = await start_broker(nursery)
+    server = ManagementServer(ManagementApi(running.broker, running.server))
+    mgmt_port = await nursery.start(server.serve, "127.0.0.1", 0)
+    async with qflow.open_connection(running.host, running.port) as conn:
+        ssn = await conn.session()
+        await ssn.declare_queue("deep")
+        await ssn.declare_queue("other")
+        sender = ssn.sender("deep", capacity=5000)
+        for i in range(n):
+            await sender.send(b"%d" % i)
+        await sender.sync()
+        answers: list = []
+        seen_mid = False
+        entries = running.broker.queues["deep"].entries  # what the purge or delete works through
+
+        async def manage() -> None:
+            answers.append(await http(mgmt_port, method, path))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(manage)
+                while not answers:
+                    await ssn.query_queue("other")
+                    seen_mid |= 0 < len(entries) < n  # answered with the work half done
+        assert answers == [(200, answer)]
+        assert seen_mid, "the probe was never answered while the request worked"
+        assert (await ssn.query_queue("other"))["msgDepth"] == 0

@@ -20,7 +20,7 @@ import h11
 import trio
 
 from qflow import __version__
-from qflow.management.api import ManagementApi, Response, error_response
+from qflow.management.api import ManagementApi, Pending, Response, error_response
 from qflow.management.guard import RequestGuard
 from qflow.protocol.framing import PROTOCOL_HEADER
 from qflow.protocol.names import printable
@@ -185,8 +185,11 @@ class ManagementServer:
                 return
             method, target, body, headers = request
             credentials = basic_credentials(headers)
-            response = unauthorized(headers, self.authenticate, peer) or self.api.handle(
+            response = unauthorized(headers, self.authenticate, peer) or self.api.handle_in_steps(
                 method, target, body, credentials[0] if credentials else "anonymous", peer=peer)
+            while type(response) is Pending:  # a purge or delete of a deep queue: others are served between steps
+                await trio.lowlevel.checkpoint()
+                response = response.step() or response
             with trio.move_on_after(self.timeout) as scope:
                 await self._respond(conn, stream, response, head=method == "HEAD")
             if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
