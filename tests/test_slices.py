@@ -283,6 +283,59 @@ def test_two_sessions_detaching_with_unaccepted_deliveries_merge_them_back_in_on
     assert all(d.redelivered for d in c.deliveries)
 
 
+def test_accept_of_many_deliveries_in_one_range_works_in_slices(sliced, monkeypatch):
+    """One accept of 1000 deliveries: ten dequeues of 100 (each joins its
+    entries' bytes), another client answered between two."""
+    harness, _a, ssn_a, _b, ssn_b = two_clients()
+    explicit_consumer(harness, ssn_a, 1000)
+    batches = record_batches(monkeypatch)
+    accept = ssn_a.command(P.ACCEPT, [0, 999])
+    probe = ssn_b.command(P.QUEUE_QUERY, "q")
+    harness.run()
+    assert ssn_a.is_complete(accept) and accept not in ssn_a.results and accept not in ssn_a.failures
+    assert batches == [SLICE] * 10
+    assert 0 < ssn_b.results[probe]["msgDepth"] < 1000
+    assert ssn_a.query("q")["msgDepth"] == 0
+
+
+def test_release_of_many_deliveries_puts_them_back_in_slices_in_order(sliced):
+    harness, a, ssn_a, _b, ssn_b = two_clients()
+    explicit_consumer(harness, ssn_a, 1000, credit=1000)
+    ssn_a.call(P.CANCEL, "d")
+    entries = harness.broker.queues["q"].entries
+    release = ssn_a.command(P.RELEASE, [0, 999])
+    a._to_broker()
+    assert a.pump.unfinished is not None and len(entries) == SLICE  # the newest hundred, first
+    harness.run()
+    assert ssn_a.is_complete(release) and release not in ssn_a.failures
+    ssn_b.subscribe("q", "d")
+    assert [d.sequence for d in ssn_b.deliveries] == list(range(1, 1001))
+    assert all(d.redelivered for d in ssn_b.deliveries)
+
+
+def test_detach_with_many_unaccepted_deliveries_puts_them_back_in_slices(sliced):
+    """Detach: the session's subscriptions end at once, its deliveries go back
+    100 per step, the connection's later frames wait for the last, and
+    another connection is served between two."""
+    harness, a, ssn_a, _b, ssn_b = two_clients()
+    explicit_consumer(harness, ssn_a, 1000)
+    entries = harness.broker.queues["q"].entries
+    a.protocol.detach(ssn_a.channel)
+    after = MemorySession(a)
+    after.channel = a.protocol.attach("after", after)  # this attach waits behind the detach
+    a._to_broker()
+    assert a.pump.unfinished is not None and len(entries) == SLICE
+    assert not harness.broker.queues["q"].consumers
+    probe = ssn_b.command(P.QUEUE_QUERY, "q")
+    b_done = ssn_b.client._to_broker() and ssn_b.client._from_broker()
+    assert b_done and ssn_b.results[probe]["msgDepth"] == 1000 and len(entries) == SLICE
+    harness.run()
+    assert a.pump.unfinished is None and len(entries) == 1000
+    after.subscribe("q", "d2")
+    assert [d.sequence for d in after.deliveries] == list(range(1, 1001))
+    assert all(d.redelivered for d in after.deliveries)
+
+
 # -- execution.sync -------------------------------------------------------------------------------------
 def test_syncs_past_the_limit_are_refused_and_the_rest_complete_on_release(monkeypatch):
     """Issue 17: "400k execution.sync queued behind one held transfer, then

@@ -122,11 +122,24 @@ class Broker:
         """Detach or connection loss: unaccepted deliveries go back to their
         queues marked redelivered, subscriptions end, held transfers are
         forgotten (their messages stay enqueued)."""
+        finish(self.close_session_steps(ssn))
+
+    def close_session_steps(self, ssn: BrokerSession) -> Steps:
+        """:meth:`close_session`, the deliveries put back SLICE at a time. The
+        session is closed at the first step; its subscriptions end before
+        anything is put back, so none of it is delivered to it again."""
         if ssn.closed:
             return
         ssn.closed = True
         self._apply()
-        self.put_back(*ssn.take_all_unacked())
+        queues, entries = ssn.take_all_unacked()
+        for c in list(ssn.consumers.values()):
+            self.remove_consumer(c)
+        yield from self.put_back_steps(queues, entries)
+        self._finish_close(ssn)
+        return 0
+
+    def _finish_close(self, ssn: BrokerSession) -> None:
         for c in list(ssn.consumers.values()):
             self.remove_consumer(c)
         for q in list(self.queues.values()):
@@ -439,16 +452,37 @@ class Broker:
             if not q.deleted:
                 q.dequeue_many(es)
 
+    def accept_steps(self, queues: list[Queue], entries: list[Entry]) -> Steps:
+        """:meth:`accept`, SLICE deliveries per step (the dequeue joins their bytes)."""
+        for i in range(0, len(entries), SLICE):
+            if i:
+                yield
+            self._apply()
+            self.accept(queues[i:i + SLICE], entries[i:i + SLICE])
+        return len(entries)
+
     def put_back(self, queues: list[Queue], entries: list[Entry]) -> None:
         """Released or abandoned deliveries go back to their queues, marked
         redelivered, each to its old place."""
+        finish(self.put_back_steps(queues, entries))
+
+    def put_back_steps(self, queues: list[Queue], entries: list[Entry]) -> Steps:
+        """:meth:`put_back`, SLICE deliveries per step, newest first: each slice
+        is merged in front of the queue's older messages only (those put back
+        before it are newer and stay behind it)."""
         by_queue: dict[Queue, list[Entry]] = {}
         for q, e in zip(queues, entries, strict=True):
-            by_queue.setdefault(q, []).append(redelivered(e))
+            by_queue.setdefault(q, []).append(e)
+        first = True
         for q, es in by_queue.items():
-            if not q.deleted:
-                es.sort(key=seq_of)
-                q.put_back_many(es)
+            es.sort(key=seq_of)
+            for end in range(len(es), 0, -SLICE):
+                if not first:
+                    yield
+                first = False
+                if not q.deleted:
+                    q.put_back_many([redelivered(e) for e in es[max(0, end - SLICE):end]])
+        return len(entries)
 
     # -- the end of a batch ---------------------------------------------------
     def _apply(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from types import GeneratorType
 from typing import TYPE_CHECKING, Any
 
+import qflow.broker.broker as broker_module
 from qflow import protocol as P
 from qflow.broker.acl import queue_request
 from qflow.broker.queue import Consumer, Queue
@@ -167,19 +168,34 @@ def _ids(command: str, wire: list, limit: int | None = MAX_RANGES) -> RangeSet:
         raise CommandError(P.INVALID_ARGUMENT, f"{command}: {exc}") from None
 
 
-def _accept(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> None:
-    for first, last in _ids("message.accept", transfers).ranges():
-        broker.accept(*ssn.take_unacked(first, last))
-
-
-def _release(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> None:
+def _take(command: str, ssn: BrokerSession, transfers: list) -> tuple[list[Queue], list[Entry]]:
+    """The deliveries awaiting accept with the ids of ``transfers``, taken from the session."""
+    ranges = _ids(command, transfers)
+    if len(transfers) == 2:  # the usual case: one range
+        return ssn.take_unacked(transfers[0], transfers[1])
     queues: list[Queue] = []
     entries: list[Entry] = []
-    for first, last in _ids("message.release", transfers).ranges():
+    for first, last in ranges.ranges():
         qs, es = ssn.take_unacked(first, last)
         queues += qs
         entries += es
+    return queues, entries
+
+
+def _accept(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> Steps | None:
+    queues, entries = _take("message.accept", ssn, transfers)
+    if len(entries) > broker_module.SLICE:
+        return broker.accept_steps(queues, entries)
+    broker.accept(queues, entries)
+    return None
+
+
+def _release(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> Steps | None:
+    queues, entries = _take("message.release", ssn, transfers)
+    if len(entries) > broker_module.SLICE:
+        return broker.put_back_steps(queues, entries)
     broker.put_back(queues, entries)
+    return None
 
 
 def _cancel(broker: Broker, ssn: BrokerSession, cid: int, destination: str) -> None:
@@ -231,7 +247,7 @@ def execute(broker: Broker, ssn: BrokerSession, command_id: int, code: int, args
         broker.fail(ssn, command_id, exc.code, exc.text)
         return
     if type(result) is GeneratorType:
-        work = Unfinished(ssn, command_id, result)
+        work = Unfinished(ssn, command_id, result, code not in (P.ACCEPT, P.RELEASE))
         if not work.step(broker):
             broker.unfinished = work  # the connection runs its other steps, serving others in between
         return
@@ -240,23 +256,25 @@ def execute(broker: Broker, ssn: BrokerSession, command_id: int, code: int, args
 
 
 class Unfinished:
-    """A long command (queue.purge, queue.delete, queue.remove-through) under
-    way: its steps each do a bounded slice of the work (qflow.broker.broker.SLICE);
+    """A long command (queue.purge, queue.delete, queue.remove-through, an
+    accept or release of more than SLICE deliveries) under way: its steps each do a bounded slice of the work (qflow.broker.broker.SLICE);
     the command completes, with its count as result, after the last one."""
 
-    __slots__ = ("session", "command_id", "steps")
+    __slots__ = ("session", "command_id", "steps", "reports_count")
 
-    def __init__(self, session: BrokerSession, command_id: int, steps: Steps) -> None:
+    def __init__(self, session: BrokerSession, command_id: int, steps: Steps, reports_count: bool = True) -> None:
         self.session = session
         self.command_id = command_id
         self.steps = steps
+        self.reports_count = reports_count  # the queue commands' result; accept and release have none
 
     def step(self, broker: Broker) -> bool:
         """Run one step; True once the command is done (and reported)."""
         try:
             next(self.steps)
         except StopIteration as stop:
-            broker.done(self.session, self.command_id, {"messages": stop.value})
+            result = {"messages": stop.value} if self.reports_count else None
+            broker.done(self.session, self.command_id, result)
             return True
         except CommandError as exc:
             broker.fail(self.session, self.command_id, exc.code, exc.text)
