@@ -442,3 +442,52 @@ async def test_a_client_is_answered_while_the_management_api_purges_or_deletes(n
         assert answers == [(200, answer)]
         assert seen_mid, "the probe was never answered while the request worked"
         assert (await ssn.query_queue("other"))["msgDepth"] == 0
+
+
+async def test_a_long_command_does_not_count_against_its_own_connections_heartbeat(mock_clock, monkeypatch):
+    """While a long command runs, its connection's later frames (its heartbeats
+    among them) wait unread: that time is not the peer's silence. Here each
+    step of a purge takes a mock second, ten in all, under heartbeat=1 (a
+    silent peer is dropped after 2 s): the connection survives and is answered."""
+    import msgpack
+    import trio.testing
+
+    from qflow.broker import Broker
+    from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_HEADER
+    from qflow.server import Connection
+
+    monkeypatch.setattr(broker_module, "SLICE", 100)
+    real_step = commands_module.Unfinished.step
+
+    def slow_step(self, broker):
+        mock_clock.jump(1)
+        return real_step(self, broker)
+
+    monkeypatch.setattr(commands_module.Unfinished, "step", slow_step)
+    client, server_end = trio.testing.memory_stream_pair()
+    conn = Connection(Broker(), server_end, DEFAULT_MAX_FRAME_SIZE, "memory")
+    frames = [[P.OPEN, {"heartbeat": 1}], [P.ATTACH, 0, "s"], [P.QUEUE_DECLARE, 0, "q", False, False, False, {}, False]]
+    frames += [[P.TRANSFER, 0, "", "q", None, b"x"] for _ in range(1000)]
+    frames += [[P.QUEUE_PURGE, 0, "q"], [P.QUEUE_QUERY, 0, "q"], [P.HEARTBEAT]]
+    await client.send_all(PROTOCOL_HEADER + b"".join(msgpack.packb(f, use_bin_type=True) for f in frames))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run)
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        results = {}
+
+        async def until_result(cid: int) -> None:
+            with trio.fail_after(30):
+                while cid not in results:
+                    data = await client.receive_some(65536)
+                    assert data, "the connection ended"
+                    unpacker.feed(data)
+                    for frame in unpacker:
+                        assert frame[0] != P.CLOSE, frame
+                        if frame[0] == P.RESULT:
+                            results[frame[2]] = frame[3]
+
+        await until_result(1002)
+        assert results[1001] == {"messages": 1000} and results[1002]["msgDepth"] == 0
+        await client.send_all(msgpack.packb([P.QUEUE_QUERY, 0, "q"]))  # the connection is still served
+        await until_result(1003)
+        await client.aclose()

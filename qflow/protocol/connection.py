@@ -598,6 +598,12 @@ class ProtocolConnection:
         heartbeat after the last bytes from it (inf without heartbeats)."""
         return self._heard_at + 2 * self.heartbeat if self.heartbeat else math.inf
 
+    def kept_waiting(self, now: float) -> None:
+        """We read nothing from the peer until ``now`` (a long command of its
+        own held its later frames back): that silence is ours, not the peer's."""
+        if now > self._heard_at:
+            self._heard_at = now
+
     def _heartbeat(self, frame: list[Any]) -> None:
         return None  # receive_data has noted the time
 
