@@ -42,8 +42,9 @@ log = logging.getLogger("qflow.broker")
 MAX_NAME = 255
 MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions are remembered for
 
-# The most messages one step of a long command (purge, delete, remove-through) handles:
-# between two steps the server serves every other connection (issue 17).
+# The most messages one step of a long command handles (purge, delete, remove-through, an
+# accept or release of many deliveries, a detach's put-back): between two steps the server
+# serves every other connection (issue 17; docs/architecture.md, "No unbounded work in one step").
 SLICE = 10_000
 
 Steps = Generator[None, None, int]  # a long command's steps; its value is the command's count
