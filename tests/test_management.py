@@ -622,7 +622,7 @@ def _held_connection(port: int, source: str) -> socket.socket:
     """A keep-alive connection from ``source`` that has had one answer and stays open (so the
     server counts it), then starts a request it never finishes."""
     s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
-    s.sendall(b"GET /api/broker HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.sendall(b"GET /api/broker HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     answer = b""
     while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < int(
             re.search(rb"content-length: (\d+)", answer.split(b"\r\n\r\n", 1)[0], re.I).group(1)):
@@ -630,13 +630,13 @@ def _held_connection(port: int, source: str) -> socket.socket:
         assert chunk, answer
         answer += chunk
     assert status_of(answer) == 200
-    s.sendall(b"GET /api/queues HTTP/1.1\r\nHost: x\r\nX-Slow:")  # unfinished
+    s.sendall(b"GET /api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow:")  # unfinished
     return s
 
 
 def _sync_request_from(port: int, source: str) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0)) as s:
-        s.sendall(b"GET /api/broker HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        s.sendall(b"GET /api/broker HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         chunks = []
         while chunk := s.recv(65536):
             chunks.append(chunk)
