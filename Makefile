@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 5672
 MGMT_PORT ?= 8672
 
-.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store bench-spark clean
+.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store bench-spark soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ bench-smoke: $(STAMP)
 # The Spark data source's throughput beside the broker alone (bench/spark.py); SPARK_BENCH_ARGS=--quick: seconds
 bench-spark: $(STAMP)
 	$(PY) bench/spark.py $(SPARK_BENCH_ARGS)
+
+# A bounded soak (about 3 min, bench/soak.py): 1000 connections, producers, consumers, a slow consumer
+# cycling flow control, a bulk purge and delete, idle connections; RSS, the probe's worst wait, messages
+# lost (exits 1 if any). Not part of make test. Options: make soak SOAK_ARGS='--duration 30'
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 # Side by side with RabbitMQ (bench/README.md). Installs Debian's rabbitmq-server with apt-get if missing
 # (root). The AMQP client libraries go into the venv for the benchmark only: they are not qflow dependencies.

@@ -231,6 +231,9 @@ class MemoryClient:
         return ssn
 
     def _to_broker(self) -> bool:
+        if self.pump.unfinished is not None:  # one step of a long command per round, as qflowd does
+            self.pump.step()
+            return True
         data = self.protocol.encoder.take() if self.protocol.encoder.parts else b""
         if data:
             self.pump.receive(data, 0.0)

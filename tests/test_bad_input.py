@@ -476,6 +476,75 @@ async def test_accept_or_release_of_a_huge_range(daemon, healthy, code):
     await healthy.check()
 
 
+@pytest.mark.parametrize("code", [P.ACCEPT, P.RELEASE])
+async def test_accept_or_release_of_more_ranges_than_the_limit(daemon, healthy, code):
+    """Issue 17: one accept frame of 80,000 ranges held the broker for a second.
+    At most 10,000 ranges per command: one more is refused, naming the limit,
+    and the session carries on."""
+    with trio.fail_after(TIMEOUT):
+        raw = await Raw.attached(daemon.port)
+        ranges = [x for i in range(10_001) for x in (2 * (10_001 - i), 2 * (10_001 - i))]  # descending
+        cid = await raw.command(code, 0, ranges)
+        exc = await expect_exception(raw, cid)
+        assert exc[3] == P.RESOURCE_LIMIT_EXCEEDED
+        assert "10001 ranges" in exc[4] and "limit of 10000" in exc[4], exc[4]
+        await expect_session_usable(raw)
+        cid = await raw.command(code, 0, ranges[2:])  # the limit itself is fine
+        while True:
+            completed = await raw.until(P.COMPLETED)
+            if any(a <= cid <= b for a, b in zip(completed[2][::2], completed[2][1::2], strict=True)):
+                break
+        await raw.aclose()
+    await healthy.check()
+
+
+async def test_more_waiting_syncs_than_the_limit(daemon, healthy):
+    """Issue 17: 400k execution.sync queued behind one held transfer. At most
+    1000 syncs of a session wait at a time: the next is refused, naming the
+    limit; those waiting complete once the held transfer does."""
+    with trio.fail_after(TIMEOUT):
+        raw = await Raw.attached(daemon.port)
+        queue = unique("stopped")
+        await raw.command(P.QUEUE_DECLARE, 0, queue, False, False, False,
+                          {"qpid.flow_stop_count": 1, "qpid.flow_resume_count": 0}, False)
+        await raw.until(P.RESULT)
+        await raw.command(P.TRANSFER, 0, "", queue, None, b"first")
+        held = await raw.command(P.TRANSFER, 0, "", queue, None, b"held")
+        first_sync = raw.next_command
+        await raw.send(pack(*([P.SYNC, 0] for _ in range(1001))))
+        raw.next_command += 1001
+        exc = await expect_exception(raw, first_sync + 1000)
+        assert exc[3] == P.RESOURCE_LIMIT_EXCEEDED and "the limit is 1000" in exc[4], exc[4]
+        purge = await raw.command(P.QUEUE_PURGE, 0, queue)
+        result = await raw.until(P.RESULT)
+        assert result[2] == purge and result[3] == {"messages": 2}
+        while True:
+            done = RangeSetForTest()
+            for frame in raw.seen:
+                if frame[0] == P.COMPLETED:
+                    done.add(frame)
+            if done.covers(held, first_sync + 999):
+                break
+            await raw.until(P.COMPLETED)
+        await expect_session_usable(raw)
+        await raw.aclose()
+    await healthy.check()
+
+
+class RangeSetForTest:
+    """The command ids a raw session has seen completed."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+
+    def add(self, frame: list) -> None:
+        wire = frame[2]
+        self.ranges += zip(wire[::2], wire[1::2], strict=True)
+
+    def covers(self, first: int, last: int) -> bool:
+        return all(any(a <= i <= b for a, b in self.ranges) for i in range(first, last + 1))
+
+
 async def test_transfer_to_missing_exchange(daemon, healthy):
     with trio.fail_after(TIMEOUT):
         async with await qflow.connect("127.0.0.1", daemon.port) as conn:

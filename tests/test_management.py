@@ -11,6 +11,7 @@ bytes; the last ones start a real qflowd.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -615,3 +616,57 @@ def test_qflowd_management_options() -> None:
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (management)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _held_connection(port: int, source: str) -> socket.socket:
+    """A keep-alive connection from ``source`` that has had one answer and stays open (so the
+    server counts it), then starts a request it never finishes."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+    s.sendall(b"GET /api/broker HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < int(
+            re.search(rb"content-length: (\d+)", answer.split(b"\r\n\r\n", 1)[0], re.I).group(1)):
+        chunk = s.recv(65536)
+        assert chunk, answer
+        answer += chunk
+    assert status_of(answer) == 200
+    s.sendall(b"GET /api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow:")  # unfinished
+    return s
+
+
+def _sync_request_from(port: int, source: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0)) as s:
+        s.sendall(b"GET /api/broker HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_one_client_holding_unfinished_requests_cannot_take_every_slot() -> None:
+    """Issue 17: "About 64 unfinished management requests, refreshed as they
+    expire, made the operator's requests fail with 503." Each client (peer
+    address) has at most 8 connections at once: its next ones are answered
+    429 naming the limit, the operator (another address) is served, and the
+    held ones time out (408) and free their slots."""
+    d = start_qflowd("--mgmt-port", "0", "--mgmt-timeout", "3")
+    held: list[socket.socket] = []
+    try:
+        held = [_held_connection(d.mgmt_port, "127.0.0.2") for _ in range(8)]
+        for _ in range(56):  # the rest of the 64 the issue's client held
+            refused = _sync_request_from(d.mgmt_port, "127.0.0.2")
+            assert status_of(refused) == 429
+            assert "127.0.0.2" in error_of(refused) and "limit per client is 8" in error_of(refused)
+        for _ in range(3):
+            assert status_of(_sync_request_from(d.mgmt_port, "127.0.0.1")) == 200
+        for s in held:  # slow requests time out
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            assert status_of(answer) == 408, answer
+        assert status_of(_sync_request_from(d.mgmt_port, "127.0.0.2")) == 200  # the slots are free again
+        assert d.proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        d.stop()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import msgpack
@@ -41,6 +41,22 @@ log = logging.getLogger("qflow.broker")
 
 MAX_NAME = 255
 MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions are remembered for
+
+# The most messages one step of a long command handles (purge, delete, remove-through, an
+# accept or release of many deliveries, a detach's put-back): between two steps the server
+# serves every other connection (issue 17; docs/architecture.md, "No unbounded work in one step").
+SLICE = 10_000
+
+Steps = Generator[None, None, int]  # a long command's steps; its value is the command's count
+
+
+def finish(steps: Steps) -> int:
+    """Run every step of ``steps`` at once (the management API, tests); its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _load_transfer_runs(enabled: bool | None) -> Any:
@@ -83,6 +99,9 @@ class Broker:
         # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
         self.config_hooks = ConfigHooks()
         self.acl: Acl | None = None  # None: everything is allowed (no --acl-file)
+        # A long command the last execute() started and did not finish in one step
+        # (qflow.broker.commands.Unfinished): its connection takes it and runs the rest.
+        self.unfinished: Any = None
 
     @property
     def acct(self) -> Accounting:
@@ -105,11 +124,24 @@ class Broker:
         """Detach or connection loss: unaccepted deliveries go back to their
         queues marked redelivered, subscriptions end, held transfers are
         forgotten (their messages stay enqueued)."""
+        finish(self.close_session_steps(ssn))
+
+    def close_session_steps(self, ssn: BrokerSession) -> Steps:
+        """:meth:`close_session`, the deliveries put back SLICE at a time. The
+        session is closed at the first step; its subscriptions end before
+        anything is put back, so none of it is delivered to it again."""
         if ssn.closed:
             return
         ssn.closed = True
         self._apply()
-        self.put_back(*ssn.take_all_unacked())
+        queues, entries = ssn.take_all_unacked()
+        for c in list(ssn.consumers.values()):
+            self.remove_consumer(c)
+        yield from self.put_back_steps(queues, entries)
+        self._finish_close(ssn)
+        return 0
+
+    def _finish_close(self, ssn: BrokerSession) -> None:
         for c in list(ssn.consumers.values()):
             self.remove_consumer(c)
         for q in list(self.queues.values()):
@@ -422,12 +454,37 @@ class Broker:
             if not q.deleted:
                 q.dequeue_many(es)
 
+    def accept_steps(self, queues: list[Queue], entries: list[Entry]) -> Steps:
+        """:meth:`accept`, SLICE deliveries per step (the dequeue joins their bytes)."""
+        for i in range(0, len(entries), SLICE):
+            if i:
+                yield
+            self._apply()
+            self.accept(queues[i:i + SLICE], entries[i:i + SLICE])
+        return len(entries)
+
     def put_back(self, queues: list[Queue], entries: list[Entry]) -> None:
         """Released or abandoned deliveries go back to their queues, marked
-        redelivered, newest first so each lands in its old place."""
-        for q, e in sorted(zip(queues, entries, strict=True), key=lambda item: -seq_of(item[1])):
-            if not q.deleted:
-                q.put_back(redelivered(e))
+        redelivered, each to its old place."""
+        finish(self.put_back_steps(queues, entries))
+
+    def put_back_steps(self, queues: list[Queue], entries: list[Entry]) -> Steps:
+        """:meth:`put_back`, SLICE deliveries per step, newest first: each slice
+        is merged in front of the queue's older messages only (those put back
+        before it are newer and stay behind it)."""
+        by_queue: dict[Queue, list[Entry]] = {}
+        for q, e in zip(queues, entries, strict=True):
+            by_queue.setdefault(q, []).append(e)
+        first = True
+        for q, es in by_queue.items():
+            es.sort(key=seq_of)
+            for end in range(len(es), 0, -SLICE):
+                if not first:
+                    yield
+                first = False
+                if not q.deleted:
+                    q.put_back_many([redelivered(e) for e in es[max(0, end - SLICE):end]])
+        return len(entries)
 
     # -- the end of a batch ---------------------------------------------------
     def _apply(self) -> None:
@@ -578,6 +635,26 @@ class Broker:
         self.delete_queue_now(q, recorded=True)
         return count
 
+    def delete_queue_steps(self, name: str, if_empty: bool = False, if_unused: bool = False,
+                           by: BrokerSession | None = None) -> Steps:
+        """:meth:`delete_queue`, whose messages are then let go of SLICE at a
+        time (freeing millions at once would hold the loop for seconds); the
+        queue itself is gone at the first step. Its value: the messages it had."""
+        q = self.queue("queue.delete", name)
+        entries = q.entries
+        count = self.delete_queue(name, if_empty, if_unused, by)
+        return self._drop(entries, count)
+
+    @staticmethod
+    def _drop(entries: Any, count: int) -> Steps:
+        pop = entries.pop
+        while entries:
+            for _ in range(min(SLICE, len(entries))):
+                pop()
+            if entries:
+                yield
+        return count
+
     def delete_queue_now(self, q: Queue, recorded: bool = False) -> None:
         """Delete ``q`` now. Unless the caller has already told the config
         hooks (``recorded``), they are told here, and a refusal is only
@@ -607,13 +684,29 @@ class Broker:
         including ``sequence`` (a browsing reader's commit). Dequeuing releases
         held producers exactly as consuming does. Acquired messages stay with
         their consumers."""
+        return finish(self.remove_through_steps(name, sequence, by))
+
+    def remove_through_steps(self, name: str, sequence: int, by: BrokerSession | None = None) -> Steps:
+        """:meth:`remove_through`, SLICE messages per step."""
         q = self.queue("queue.remove-through", name)
         self.check_owner(q, "queue.remove-through", by)
+        return self._remove_through(q, sequence)
+
+    def _remove_through(self, q: Queue, sequence: int) -> Steps:
         entries = q.entries
         n = 0
-        while entries and seq_of(entries[0]) <= sequence:
-            q.dequeue(entries.popleft())
-            n += 1
+        while not q.deleted:
+            self._apply()
+            batch = []
+            while entries and len(batch) < SLICE and seq_of(entries[0]) <= sequence:
+                batch.append(entries.popleft())
+            if batch:
+                q.dequeue_many(batch)
+                n += len(batch)
+            if len(batch) < SLICE:
+                break
+            yield
+        self._apply()
         return n
 
     def available(self, name: str, after: int, limit: int, by: BrokerSession | None = None) -> dict[str, Any]:
@@ -643,12 +736,37 @@ class Broker:
         return q.remove_sequences(sequences)
 
     def purge_queue(self, name: str, by: BrokerSession | None = None) -> int:
+        """Purge ``name`` at once (the management API); see :meth:`purge_steps`."""
+        return finish(self.purge_steps(name, by))
+
+    def purge_steps(self, name: str, by: BrokerSession | None = None) -> Steps:
+        """Purge the messages available on ``name`` now, SLICE at a time, at the
+        request of session ``by`` (None: the management API): the queue's
+        existence and owner are checked here; each step of the generator returned
+        removes up to SLICE of them, and its value is how many it removed.
+        Messages enqueued after the purge began are not purged."""
         q = self.queue("queue.purge", name)
         self.check_owner(q, "queue.purge", by)
-        self._apply()
-        n = len(q.entries)
-        q.dequeue_many(list(q.entries))
-        q.entries.clear()
+        return self._purge(q, q.next_seq - 1)
+
+    def _purge(self, q: Queue, newest: int) -> Steps:
+        entries = q.entries
+        n = 0
+        while True:
+            self._apply()  # dequeue_many reads which transfers the queue holds
+            k = min(SLICE, len(entries))
+            batch = [entries.popleft() for _ in range(k)]
+            if batch and seq_of(batch[-1]) > newest:  # the last slice: newer messages stay
+                newer = [e for e in batch if seq_of(e) > newest]
+                del batch[len(batch) - len(newer):]
+                entries.extendleft(reversed(newer))
+                k = 0
+            if batch and not q.deleted:
+                q.dequeue_many(batch)
+                n += len(batch)
+            if k < SLICE or not entries or q.deleted:
+                break
+            yield
         self._apply()
         return n
 

@@ -9,8 +9,10 @@ module calls the model (qflow.broker.broker); the model never calls it. No I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import GeneratorType
 from typing import TYPE_CHECKING, Any
 
+import qflow.broker.broker as broker_module
 from qflow import protocol as P
 from qflow.broker.acl import queue_request
 from qflow.broker.queue import Consumer, Queue
@@ -20,10 +22,17 @@ from qflow.protocol.names import check_name
 from qflow.protocol.ranges import RangeSet
 
 if TYPE_CHECKING:
-    from qflow.broker.broker import Broker
+    from qflow.broker.broker import Broker, Steps
     from qflow.broker.session import BrokerSession
 
 NO_COMPLETE = object()  # a handler's result: the command completes later (execution.sync)
+
+# Bounds on the work one command may ask for (issue 17): past them the command is
+# refused with RESOURCE_LIMIT_EXCEEDED, and the session, its connection and the
+# broker carry on. A client never needs more: its receivers accept consecutive
+# deliveries as one range, and its senders wait for each sync.
+MAX_RANGES = 10_000  # ranges in one message.accept or message.release
+MAX_WAITING_SYNCS = 1_000  # execution.sync commands of one session waiting for earlier commands
 
 
 def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, durable: bool, exclusive: bool,
@@ -40,15 +49,15 @@ def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, dur
 
 
 def _queue_delete(broker: Broker, ssn: BrokerSession, cid: int, queue: str, if_empty: bool,
-                  if_unused: bool) -> dict:
+                  if_unused: bool) -> Steps:
     broker.authorize(ssn.user, "delete", "queue", {"name": queue})
-    return {"messages": broker.delete_queue(queue, if_empty, if_unused, by=ssn)}
+    return broker.delete_queue_steps(queue, if_empty, if_unused, by=ssn)
 
 
-def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: str, sequence: int) -> dict:
+def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: str, sequence: int) -> Steps:
     # A browsing reader's commit removes what it read: it consumes.
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})
-    return {"messages": broker.remove_through(queue, sequence, by=ssn)}
+    return broker.remove_through_steps(queue, sequence, by=ssn)
 
 
 def _queue_available(broker: Broker, ssn: BrokerSession, cid: int, queue: str, after: int, limit: int) -> dict:
@@ -61,13 +70,13 @@ def _queue_remove_sequences(broker: Broker, ssn: BrokerSession, cid: int, queue:
                             sequences: list) -> dict:
     # A browsing reader's commit removes what it read: it consumes.
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})
-    return {"messages": broker.remove_sequences(queue, incarnation, _ids("queue.remove-sequences", sequences),
+    return {"messages": broker.remove_sequences(queue, incarnation, _ids("queue.remove-sequences", sequences, None),
                                                 by=ssn)}
 
 
-def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
+def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> Steps:
     broker.authorize(ssn.user, "purge", "queue", {"name": queue})
-    return {"messages": broker.purge_queue(queue, by=ssn)}
+    return broker.purge_steps(queue, by=ssn)
 
 
 def _queue_query(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> dict:
@@ -153,26 +162,46 @@ def _flow(broker: Broker, ssn: BrokerSession, cid: int, destination: str, messag
     c.queue.ready[c.queue] = None
 
 
-def _ids(command: str, wire: list) -> RangeSet:
+def _ids(command: str, wire: list, limit: int | None = MAX_RANGES) -> RangeSet:
+    """``wire`` as a RangeSet; past ``limit`` ranges (accept, release), refused."""
+    if limit is not None and type(wire) is list and len(wire) > 2 * limit:
+        raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
+                           f"{command}: {len(wire) // 2} ranges in one command, more than the limit of "
+                           f"{limit}; send them in several commands")
     try:
         return RangeSet.from_wire(wire)
     except ValueError as exc:
         raise CommandError(P.INVALID_ARGUMENT, f"{command}: {exc}") from None
 
 
-def _accept(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> None:
-    for first, last in _ids("message.accept", transfers).ranges():
-        broker.accept(*ssn.take_unacked(first, last))
-
-
-def _release(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> None:
+def _take(command: str, ssn: BrokerSession, transfers: list) -> tuple[list[Queue], list[Entry]]:
+    """The deliveries awaiting accept with the ids of ``transfers``, taken from the session."""
+    ranges = _ids(command, transfers)
+    if len(transfers) == 2:  # the usual case: one range
+        return ssn.take_unacked(transfers[0], transfers[1])
     queues: list[Queue] = []
     entries: list[Entry] = []
-    for first, last in _ids("message.release", transfers).ranges():
+    for first, last in ranges.ranges():
         qs, es = ssn.take_unacked(first, last)
         queues += qs
         entries += es
+    return queues, entries
+
+
+def _accept(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> Steps | None:
+    queues, entries = _take("message.accept", ssn, transfers)
+    if len(entries) > broker_module.SLICE:
+        return broker.accept_steps(queues, entries)
+    broker.accept(queues, entries)
+    return None
+
+
+def _release(broker: Broker, ssn: BrokerSession, cid: int, transfers: list) -> Steps | None:
+    queues, entries = _take("message.release", ssn, transfers)
+    if len(entries) > broker_module.SLICE:
+        return broker.put_back_steps(queues, entries)
     broker.put_back(queues, entries)
+    return None
 
 
 def _cancel(broker: Broker, ssn: BrokerSession, cid: int, destination: str) -> None:
@@ -180,7 +209,12 @@ def _cancel(broker: Broker, ssn: BrokerSession, cid: int, destination: str) -> N
 
 
 def _sync(broker: Broker, ssn: BrokerSession, cid: int) -> object:
-    ssn.commands.sync(cid)
+    commands = ssn.commands
+    if commands.floor < cid and commands.waiting_syncs >= MAX_WAITING_SYNCS:
+        raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
+                           f"execution.sync: {commands.waiting_syncs} syncs of this session already wait for "
+                           f"earlier commands, the limit is {MAX_WAITING_SYNCS}")
+    commands.sync(cid)
     broker.flow.dirty[ssn] = None  # it may have completed at once: report it at the batch's end
     return NO_COMPLETE
 
@@ -218,5 +252,42 @@ def execute(broker: Broker, ssn: BrokerSession, command_id: int, code: int, args
     except CommandError as exc:
         broker.fail(ssn, command_id, exc.code, exc.text)
         return
+    if type(result) is GeneratorType:
+        work = Unfinished(ssn, command_id, result, code not in (P.ACCEPT, P.RELEASE))
+        if not work.step(broker):
+            broker.unfinished = work  # the connection runs its other steps, serving others in between
+        return
     if result is not NO_COMPLETE:
         broker.done(ssn, command_id, result)
+
+
+class Unfinished:
+    """A long command (queue.purge, queue.delete, queue.remove-through, an
+    accept or release of more than SLICE deliveries) under way: its steps each do a bounded slice of the work (qflow.broker.broker.SLICE);
+    the command completes, with its count as result, after the last one."""
+
+    __slots__ = ("session", "command_id", "steps", "reports_count")
+
+    def __init__(self, session: BrokerSession, command_id: int, steps: Steps, reports_count: bool = True) -> None:
+        self.session = session
+        self.command_id = command_id
+        self.steps = steps
+        self.reports_count = reports_count  # the queue commands' result; accept and release have none
+
+    def step(self, broker: Broker) -> bool:
+        """Run one step; True once the command is done (and reported)."""
+        try:
+            next(self.steps)
+        except StopIteration as stop:
+            result = {"messages": stop.value} if self.reports_count else None
+            broker.done(self.session, self.command_id, result)
+            return True
+        except CommandError as exc:
+            broker.fail(self.session, self.command_id, exc.code, exc.text)
+            return True
+        return False
+
+    def finish(self, broker: Broker) -> None:
+        """Run every step left, at once (its connection is closing)."""
+        while not self.step(broker):
+            pass

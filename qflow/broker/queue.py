@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from collections.abc import Sequence
+from heapq import merge
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -244,19 +245,25 @@ class Queue:
 
     def put_back(self, entry: Entry) -> None:
         """Return an acquired entry to its place in FIFO order (release, session close)."""
-        self.ready[self] = None
-        seq = seq_of(entry)
-        entries = self.entries
-        if not entries or seq_of(entries[0]) > seq:
-            entries.appendleft(entry)
+        self.put_back_many([entry])
+
+    def put_back_many(self, returned: list[Entry]) -> None:
+        """Return acquired entries, in sequence order, each to its place in FIFO
+        order. Only the available entries older than the newest returned one
+        are merged with them (those were put back earlier: a delivery takes
+        the oldest), so a session's close costs per message it returns, not
+        per message it returns times the queue's depth (issue 17)."""
+        if not returned:
             return
-        i = 0
-        for i, other in enumerate(entries):  # noqa: B007 - rare path: a release behind newer ones
-            if seq_of(other) > seq:
-                break
-        else:
-            i = len(entries)
-        entries.insert(i, entry)
+        self.ready[self] = None
+        entries = self.entries
+        newest = seq_of(returned[-1])
+        if entries and seq_of(entries[0]) < newest:
+            older = []
+            while entries and seq_of(entries[0]) < newest:
+                older.append(entries.popleft())
+            returned = list(merge(older, returned, key=seq_of))
+        entries.extendleft(reversed(returned))
 
     # -- reading by sequence number (a browsing reader's plan and commit) -------------
     def _index_after(self, after: int) -> int:

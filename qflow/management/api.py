@@ -104,6 +104,31 @@ class ApiError(Exception):
         self.headers = headers or []
 
 
+class Pending:
+    """A response whose work is done in steps of bounded size (qflow.broker.broker.SLICE):
+    :meth:`step` runs one, ends the broker's batch, and gives the Response after the last."""
+
+    __slots__ = ("broker", "steps", "answer", "answered")
+
+    def __init__(self, broker: Broker, steps: Any, answer: Callable[[int], Response]) -> None:
+        self.broker = broker
+        self.steps = steps
+        self.answer = answer
+        self.answered: Callable[[Response], None] | None = None  # told the Response (the change's log line)
+
+    def step(self) -> Response | None:
+        try:
+            next(self.steps)
+        except StopIteration as stop:
+            response = self.answer(stop.value)
+            if self.answered is not None:
+                self.answered(response)
+            return response
+        finally:
+            self.broker.flush()  # a dequeue may release held transfers: their completions go out now
+        return None
+
+
 @dataclass
 class Response:
     """One answer: status, body and its content type, and any extra headers (say, ``allow``)."""
@@ -348,8 +373,26 @@ class ManagementApi:
         Never raises: refusals become 4xx responses. A change (any method but
         GET and HEAD) is logged at info with who asked (``peer``, the HTTP
         client's address, and ``user``) and whether it was made or refused."""
+        response = self.handle_in_steps(method, target, body, user, peer)
+        while type(response) is Pending:
+            response = response.step() or response
+        return response
+
+    def handle_in_steps(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
+                        peer: str = "") -> Response | Pending:
+        """As :meth:`handle`, but a purge or delete of a deep queue gives a
+        :class:`Pending` whose steps the server runs, serving others between;
+        the change is logged once its response is known."""
         self.user = user
         response = self._handle(method, target, body)
+        if type(response) is Pending:
+            response.answered = lambda done: self._log_change(method, target, body, user, peer, done)
+        else:
+            self._log_change(method, target, body, user, peer, response)
+        return response
+
+    @staticmethod
+    def _log_change(method: str, target: bytes, body: bytes, user: str, peer: str, response: Response) -> None:
         if method not in ("GET", "HEAD"):
             outcome = "done" if response.status < 400 else "refused"
             detail = body.decode("utf-8", "backslashreplace").strip()
@@ -361,9 +404,8 @@ class ManagementApi:
             log.info("management change by %s (user '%s'): %s %s %s (%d)%s", peer or "?", printable(user), method,
                      printable(target.decode("ascii", "backslashreplace")[:300]), outcome, response.status,
                      f": {printable(detail[:300])}" if detail else "")
-        return response
 
-    def _handle(self, method: str, target: bytes, body: bytes) -> Response:
+    def _handle(self, method: str, target: bytes, body: bytes) -> Response | Pending:
         try:
             segments, query = _split_target(target)
             methods, params = _match(segments)
@@ -470,23 +512,22 @@ class ManagementApi:
         self.broker.flush()  # a resume releases held transfers: their completions go out now
         return json_response(200, queue_view(self.broker, q))
 
-    def delete_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+    def delete_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Pending:
         self._no_query(query, ("if_empty", "if_unused"))
         self._no_body(body)
         self._allow("delete", "queue", {"name": name})
         self._queue(name)
-        messages = self.broker.delete_queue(name, _flag(query, "if_empty"), _flag(query, "if_unused"))
-        self.broker.flush()
-        return json_response(200, {"queue": name, "deleted": True, "messages": messages})
+        steps = self.broker.delete_queue_steps(name, _flag(query, "if_empty"), _flag(query, "if_unused"))
+        return Pending(self.broker, steps,
+                       lambda messages: json_response(200, {"queue": name, "deleted": True, "messages": messages}))
 
-    def purge_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+    def purge_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Pending:
         self._no_query(query)
         self._no_body(body)
         self._allow("purge", "queue", {"name": name})
         self._queue(name)
-        messages = self.broker.purge_queue(name)
-        self.broker.flush()
-        return json_response(200, {"queue": name, "purged": messages})
+        return Pending(self.broker, self.broker.purge_steps(name),
+                       lambda messages: json_response(200, {"queue": name, "purged": messages}))
 
     # -- exchanges and bindings -----------------------------------------------
     def list_exchanges(self, *, query: dict[str, str], body: bytes) -> Response:

@@ -3,8 +3,8 @@
 Everything about HTTP as a transport lives here and nothing about what the
 routes mean: one task per connection, keep-alive and pipelining, bounded
 request line, head, header count and body, a deadline for each request
-(slowloris), a bounded number of connections, and a response for whatever
-the client got wrong. The API it serves is sans-I/O (``api.ManagementApi``):
+(slowloris), a bounded number of connections in all and per client (peer
+address), and a response for whatever the client got wrong. The API it serves is sans-I/O (``api.ManagementApi``):
 this module hands it (method, target, body) and writes back its Response.
 """
 
@@ -20,7 +20,7 @@ import h11
 import trio
 
 from qflow import __version__
-from qflow.management.api import ManagementApi, Response, error_response
+from qflow.management.api import ManagementApi, Pending, Response, error_response
 from qflow.management.guard import RequestGuard
 from qflow.protocol.framing import PROTOCOL_HEADER
 from qflow.protocol.names import printable
@@ -34,6 +34,10 @@ MAX_HEAD = 16 * 1024  # bytes of request line plus headers (h11's own default)
 MAX_TARGET = 8 * 1024  # bytes of request target: a name is at most 255 bytes, 765 percent-encoded
 MAX_HEADERS = 64
 MAX_CONNECTIONS = 64
+# Connections one client (peer address) may have at once: a client holding unfinished
+# requests open, renewed as they time out, takes at most these slots, never them all
+# (issue 17). Its next one is answered 429, as RabbitMQ's and nginx's per-client limits do.
+MAX_PER_CLIENT = 8
 READ_SIZE = 64 * 1024
 WRONG_PORT_HINT = ("this is qflowd's management HTTP port, not its messaging port: give the broker's "
                    "address (port 5672 by default)")
@@ -98,7 +102,8 @@ class ManagementServer:
     previous response (else 408, or a silent close if nothing of it came);
     heads over 16 KiB (431), targets over 8 KiB (414), more than 64 headers (431) or bodies over 1 MiB
     (413) are refused without reading further; at most ``max_connections``
-    at once (503 beyond). A faulty request closes its own connection only.
+    at once (503 beyond), and at most ``max_per_client`` from one peer
+    address (429 beyond). A faulty request closes its own connection only.
     Before any route runs, and whatever the authentication setting, ``guard``
     (qflow.management.guard) refuses requests a web page could have sent: a
     foreign Host (421), a foreign Origin (403) or a state-changing request
@@ -107,8 +112,9 @@ class ManagementServer:
     """
 
     def __init__(self, api: ManagementApi, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS, authenticate: Authenticate | None = None,
-                 guard: RequestGuard | None = None, serve_listeners: ServeListeners | None = None) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_per_client: int = MAX_PER_CLIENT,
+                 authenticate: Authenticate | None = None, guard: RequestGuard | None = None,
+                 serve_listeners: ServeListeners | None = None) -> None:
         """``authenticate``: every request needs HTTP Basic credentials it accepts (401 without).
         ``guard``: the Host, Origin and Content-Type rules (default: the broker's own names only).
         ``serve_listeners(handler, listeners)`` runs the accept loop
@@ -119,8 +125,10 @@ class ManagementServer:
         self.guard = guard if guard is not None else RequestGuard()
         self.timeout = timeout
         self.max_connections = max_connections
+        self.max_per_client = max_per_client
         self.active = 0
         self._serve_listeners = serve_listeners or trio.serve_listeners
+        self.per_client: dict[str, int] = {}  # peer address -> its connections now
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -131,14 +139,30 @@ class ManagementServer:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
+            try:
+                client = stream.socket.getpeername()[0]
+            except OSError:
+                client = "?"
+            mine = self.per_client.get(client, 0)
+            if mine >= self.max_per_client:
+                await self._send_raw(stream, error_response(
+                    429, f"too many management connections from {client}: {mine}, the limit per client is "
+                         f"{self.max_per_client}"))
+                return
             if self.active >= self.max_connections:
                 await self._send_raw(stream, error_response(503, "too many management connections"))
                 return
             self.active += 1
+            self.per_client[client] = mine + 1
             try:
                 await self._connection(stream)
             finally:
                 self.active -= 1
+                left = self.per_client[client] - 1
+                if left:
+                    self.per_client[client] = left
+                else:
+                    del self.per_client[client]
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # the client went away: nothing to answer
         except Exception:
@@ -169,8 +193,11 @@ class ManagementServer:
                 return
             method, target, body, headers = request
             credentials = basic_credentials(headers)
-            response = unauthorized(headers, self.authenticate, peer) or self.api.handle(
+            response = unauthorized(headers, self.authenticate, peer) or self.api.handle_in_steps(
                 method, target, body, credentials[0] if credentials else "anonymous", peer=peer)
+            while type(response) is Pending:  # a purge or delete of a deep queue: others are served between steps
+                await trio.lowlevel.checkpoint()
+                response = response.step() or response
             with trio.move_on_after(self.timeout) as scope:
                 await self._respond(conn, stream, response, head=method == "HEAD")
             if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:

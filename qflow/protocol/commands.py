@@ -12,6 +12,7 @@ ranges in ``session.completed``, one report per batch of input.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import deque
 
 from qflow.protocol.ranges import RangeSet
 
@@ -26,7 +27,7 @@ class IncomingCommands:
         self.to_report = RangeSet()  # completed since the last report
         self.floor = 0  # every id below floor is complete
         self._above = RangeSet()  # completed ids above floor
-        self._syncs: list[int] = []
+        self._syncs: deque[int] = deque()  # waiting execution.sync ids, in order
 
     def receive(self) -> int:
         """Assign the next command id."""
@@ -41,7 +42,7 @@ class IncomingCommands:
         self._complete_range(first, last)
         syncs = self._syncs
         while syncs and syncs[0] <= self.floor:  # a loop, not recursion: syncs may queue up by the thousand
-            sync_id = syncs.pop(0)
+            sync_id = syncs.popleft()
             self._complete_range(sync_id, sync_id)
 
     def _complete_range(self, first: int, last: int) -> None:
@@ -53,7 +54,7 @@ class IncomingCommands:
             end = self._above.prefix_end(self.floor)
             if end > self.floor:
                 self.floor = end
-                self._above = RangeSet(r for r in self._above.ranges() if r[0] > end)
+                self._above.drop_below(end)  # in place: thousands of ranges may remain above
 
     def sync(self, command_id: int) -> None:
         """execution.sync ``command_id`` completes once every earlier command has."""

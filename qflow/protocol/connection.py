@@ -624,6 +624,12 @@ class ProtocolConnection:
             return beat
         return self._heard_at + self.idle_timeout if self.idle_timeout else math.inf
 
+    def kept_waiting(self, now: float) -> None:
+        """We read nothing from the peer until ``now`` (a long command of its
+        own held its later frames back): that silence is ours, not the peer's."""
+        if now > self._heard_at:
+            self._heard_at = now
+
     def _heartbeat(self, frame: list[Any]) -> None:
         return None  # receive_data has noted the time
 

@@ -26,10 +26,20 @@ class RangeSet:
         if type(flat) is not list or len(flat) % 2:
             raise ValueError("a range set is a list of [first, last] pairs flattened")
         rs = cls()
-        for i in range(0, len(flat), 2):
-            first, last = flat[i], flat[i + 1]
+        pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+        ordered = True
+        previous = -1
+        for first, last in pairs:
             if type(first) is not int or type(last) is not int or first < 0 or last < first:
                 raise ValueError(f"bad range [{first!r}, {last!r}]")
+            if first < previous:
+                ordered = False
+            previous = first
+        if not ordered:
+            # Merged in order, every range is added at the end: O(n log n) for a set sent in
+            # any order, where adding each in the middle would cost O(n) apiece (issue 17).
+            pairs.sort()
+        for first, last in pairs:
             rs.add_range(first, last)
         return rs
 
@@ -87,6 +97,14 @@ class RangeSet:
     def clear(self) -> None:
         self._firsts.clear()
         self._lasts.clear()
+
+    def drop_below(self, value: int) -> None:
+        """Remove every range that begins below ``value`` (callers drop a
+        completed prefix, which ends below ``value``)."""
+        i = bisect_left(self._firsts, value)
+        if i:
+            del self._firsts[:i]
+            del self._lasts[:i]
 
     def prefix_end(self, start: int = 0) -> int:
         """The largest n such that every id in [start, n) is in the set."""

@@ -214,3 +214,8 @@ class Connection:
             if scope.cancelled_caught:
                 raise protocol.peer_timed_out()
             self.pump.receive(data, now())  # b"" (the client is gone) ends it
+            if self.pump.unfinished is not None:
+                while self.pump.unfinished is not None:  # a long command: others are served between its steps
+                    await trio.lowlevel.checkpoint()
+                    self.pump.step()
+                protocol.kept_waiting(now())  # its heartbeats wait unread meanwhile

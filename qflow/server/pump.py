@@ -20,7 +20,8 @@ from typing import Any
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
-from qflow.broker.commands import execute
+from qflow.broker.broker import Steps
+from qflow.broker.commands import Unfinished, execute
 from qflow.protocol import CommandError
 from qflow.protocol.connection import (
     AttachRequested,
@@ -39,6 +40,28 @@ RUN_RETRY = 16  # frames to take one by one after a transfer that starts no run
 
 def _nothing(*args: Any) -> None:
     pass
+
+
+class Detaching:
+    """A session detaching with many unaccepted deliveries, put back in steps
+    (Broker.close_session_steps); the detach is confirmed after the last."""
+
+    __slots__ = ("protocol", "channel", "steps")
+
+    def __init__(self, protocol: ProtocolConnection, channel: int, steps: Steps) -> None:
+        self.protocol = protocol
+        self.channel = channel
+        self.steps = steps
+
+    def step(self, broker: Broker) -> bool:
+        if next(self.steps, self) is self:
+            self.protocol.finish_detach(self.channel)
+            return True
+        return False
+
+    def finish(self, broker: Broker) -> None:
+        while not self.step(broker):
+            pass
 
 
 class ConnectionPump:
@@ -65,6 +88,9 @@ class ConnectionPump:
         self.transfer_heads: dict[int, bytes] = {}  # channel -> its transfers' first bytes
         self.wake = wake
         self.on_opened = on_opened
+        # A long command of this connection under way (qflow.broker.commands.Unfinished): until
+        # it is done, the frames after it wait in the decoder, so nothing overtakes it.
+        self.unfinished: Unfinished | Detaching | None = None
 
     @property
     def opened(self) -> bool:
@@ -76,9 +102,21 @@ class ConnectionPump:
         self._handle_frames()
         self.broker.flush()
 
+    def step(self) -> None:
+        """One more step of the unfinished command; once it is done, the frames
+        that came after it are handled. The glue yields to others between two steps."""
+        if self.unfinished.step(self.broker):
+            self.unfinished = None
+            self._handle_frames()
+        self.broker.flush()
+
     def close_sessions(self) -> None:
-        """The connection is ending: every session is closed (deliveries
-        released, held transfers dropped), and the broker's batch ended."""
+        """The connection is ending: an unfinished command is finished, every
+        session is closed (deliveries released, held transfers dropped), and
+        the broker's batch ended."""
+        if self.unfinished is not None:
+            self.unfinished.finish(self.broker)
+            self.unfinished = None
         for ssn in list(self.sessions.values()):
             if ssn is not None:
                 self.broker.close_session(ssn)
@@ -144,8 +182,13 @@ class ConnectionPump:
                     broker.fail(ssn, cid, exc.code, exc.text)
                     continue
                 execute(broker, ssn, cid, code, args)
+                if broker.unfinished is not None:
+                    self.unfinished, broker.unfinished = broker.unfinished, None
+                    break
             else:
                 self._control(frame)
+                if self.unfinished is not None:  # a detach with many deliveries to put back
+                    break
                 last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
                 run = broker.transfer_run if broker.runs is not None and self.opened else None
 
@@ -168,8 +211,9 @@ class ConnectionPump:
             return
         elif kind is DetachRequested:
             self.broker.flush()
-            self.broker.close_session(event.session)
-            self.protocol.finish_detach(event.channel)
+            detach = Detaching(self.protocol, event.channel, self.broker.close_session_steps(event.session))
+            if not detach.step(self.broker):
+                self.unfinished = detach  # many deliveries to put back: the rest in steps
         elif kind is Opened:
             self.on_opened(event)
         self.wake()
