@@ -213,7 +213,8 @@ def main() -> int:
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.connections)), hard))
-    daemon = start("--no-data-dir", log="/tmp/qflow-soak-qflowd.log")
+    # 1000 clients and the probe: above qflowd's default --max-connections (500, as qpidd's).
+    daemon = start("--no-data-dir", "--max-connections", str(args.connections + 100), log="/tmp/qflow-soak-qflowd.log")
     try:
         result = trio.run(Soak(daemon.port, daemon.proc.pid, args).run)
     finally:
