@@ -205,6 +205,8 @@ def test_options_are_case_insensitive_and_checked() -> None:
         ReadOptions.parse({"queue": "q", "durable": "true"})
     with pytest.raises(ValueError, match="unknown options numpartitions, startingoffsets "):
         WriteOptions.parse({"queue": "q", "startingOffsets": "earliest", "numPartitions": "2"})
+    # What Spark itself hands on (a streaming query's name and checkpoint) is not the user's mistake.
+    WriteOptions.parse({"queue": "q", "queryName": "revenue", "checkpointLocation": "/tmp/c", "__internal": "x"})
 
 
 def test_split_sequences() -> None:

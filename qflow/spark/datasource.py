@@ -96,14 +96,16 @@ def _lower(options: Mapping[str, str], known: frozenset[str]) -> dict[str, str]:
     does not know is refused, naming it: a misspelt option must not be
     silently ignored (those Spark itself may set, such as ``path``, are let through)."""
     opts = {str(k).lower(): str(v) for k, v in dict(options).items()}
-    unknown = sorted(set(opts) - known - _SPARK_OPTIONS)
+    unknown = sorted(k for k in set(opts) - known - _SPARK_OPTIONS if not k.startswith("__"))
     if unknown:
         raise QflowOptionError(f"qflow: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
                                f"(options here: {', '.join(sorted(known))})")
     return opts
 
 
-_SPARK_OPTIONS = frozenset({"path", "checkpointlocation"})  # Spark's own, which it may hand on
+# Spark's own options, which it hands on to a source or sink (DataStreamWriter's queryName and
+# checkpointLocation, the path of load()/save()); and "__"-prefixed ones are Spark's internals.
+_SPARK_OPTIONS = frozenset({"path", "paths", "checkpointlocation", "queryname"})
 _ENDPOINT_OPTIONS = frozenset({"broker", "connecttimeout", "username", "password"})
 READ_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "numpartitions", "maxmessagespertrigger", "startingoffsets",
                                     "endingoffsets", "failondataloss", "consume"}
