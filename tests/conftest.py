@@ -67,6 +67,16 @@ def start_qflowd(*args: str) -> Daemon:
     return start_daemon(*args, log=log_path)
 
 
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One qflowd on free ports, shared by a module's tests (a module may define its own)."""
+    d = start_qflowd("--mgmt-port", "0")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
 @pytest.fixture
 def qflowd() -> Iterator[Daemon]:
     d = start_qflowd()

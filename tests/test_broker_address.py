@@ -13,7 +13,6 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from qflow.cli._common import BrokerUrl, parse_url
 
 import qflow
 from qflow.protocol.connection import WRONG_PORT_HINT, ConnectionEnd, ProtocolConnection, Role
-from tests.conftest import Daemon, start_qflowd
+from tests.conftest import Daemon
 
 BIN = Path(sys.executable).parent
 DEADLINE = 60.0
@@ -96,14 +95,6 @@ def test_open_ok_carries_what_the_server_announces() -> None:
 
 # -- against a real qflowd --------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_qflowd("--mgmt-port", "0")
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 async def test_the_broker_announces_its_management_port(daemon: Daemon) -> None:

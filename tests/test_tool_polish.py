@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from qflow.cli.qflow_send import build_parser as send_parser
 from tqdm import tqdm
 
 import qflow
-from tests.conftest import Daemon, start_qflowd
+from tests.conftest import Daemon
 
 BIN = Path(sys.executable).parent
 DEADLINE = 60.0
@@ -36,14 +35,6 @@ def run(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=DEADLINE,
                           stdin=subprocess.DEVNULL)
 
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_qflowd("--mgmt-port", "0")
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def api(d: Daemon, path: str) -> object:

@@ -13,26 +13,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import pytest
 
-from tests.conftest import Daemon, start_qflowd
+from tests.conftest import Daemon
 
 BIN = Path(sys.executable).parent
 DEADLINE = 60.0  # seconds for anything to happen on a slow machine; never a timing assertion
 
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_qflowd("--mgmt-port", "0")
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def command(name: str) -> list[str]:

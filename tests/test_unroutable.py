@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from qflow.management.views import broker_view, exchange_view
 from qflow.protocol import spec as P
 from qflow.protocol.entries import encode_tail, message_size
 from qflow.testing import Harness
-from tests.conftest import Daemon, start_qflowd
+from tests.conftest import Daemon
 
 BIN = Path(sys.executable).parent
 DEADLINE = 60.0
@@ -78,14 +77,6 @@ def test_a_refused_transfer_is_not_counted_as_routed() -> None:
     default = _exchange(h, "")
     assert (default["msgReceives"], default["msgRoutes"], default["msgDrops"]) == (1, 1, 0)
 
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    d = start_qflowd("--mgmt-port", "0")
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def _get(d: Daemon, path: str) -> bytes:
