@@ -13,6 +13,8 @@ import random
 import resource
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,17 @@ async def browse(ssn: qflow.Session, queue: str) -> list[qflow.ReceivedMessage]:
     messages = [await receiver.fetch(timeout=TIMEOUT) for _ in range(depth)]
     await receiver.close()
     return messages
+
+
+@asynccontextmanager
+async def restarted(data_dir: Path) -> AsyncIterator[qflow.Session]:
+    """A qflowd on ``data_dir`` and a session on it; the broker is stopped (SIGTERM) after."""
+    d = qflowd(data_dir)
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            yield await conn.session()
+    finally:
+        d.stop()
 
 
 def ids(messages: list[qflow.ReceivedMessage]) -> list[int]:
@@ -92,14 +105,9 @@ async def test_persistent_messages_on_durable_queues_survive_a_sigkill_and_nothi
     finally:
         d.kill()
     assert f"recovered 326 messages on 2 queues from {data_dir / 'journal'} in " in d.log()
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            ssn = await conn.session()
-            assert ids(await browse(ssn, "mixed")) == [*(i for i in range(40) if i % 3 != 0), 40]
-            assert ids(await browse(ssn, "late")) == [1]
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        assert ids(await browse(ssn, "mixed")) == [*(i for i in range(40) if i % 3 != 0), 40]
+        assert ids(await browse(ssn, "late")) == [1]
 
 
 async def test_a_durable_senders_send_may_be_transient_and_sigterm_keeps_what_completed(data_dir: Path) -> None:
@@ -117,12 +125,8 @@ async def test_a_durable_senders_send_may_be_transient_and_sigterm_keeps_what_co
     finally:
         d.stop()
     assert d.proc.returncode == 0
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            assert [m.body for m in await browse(await conn.session(), "q")] == [b"p1", b"p2", b"p3"]
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        assert [m.body for m in await browse(ssn, "q")] == [b"p1", b"p2", b"p3"]
 
 
 async def test_a_durable_senders_plain_sends_are_persistent_and_its_durability_can_change(data_dir: Path) -> None:
@@ -146,14 +150,10 @@ async def test_a_durable_senders_plain_sends_are_persistent_and_its_durability_c
             assert (await ssn.query_queue("q"))["msgDepth"] == 320
     finally:
         d.kill()
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            back = await browse(await conn.session(), "q")
-            assert ids(back) == list(range(300))
-            assert all(m.durable and m.redelivered for m in back)
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        back = await browse(ssn, "q")
+        assert ids(back) == list(range(300))
+        assert all(m.durable and m.redelivered for m in back)
 
 
 async def test_accepted_messages_stay_gone_and_only_an_unsynced_tail_comes_back(data_dir: Path) -> None:
@@ -177,13 +177,8 @@ async def test_accepted_messages_stay_gone_and_only_an_unsynced_tail_comes_back(
             await ssn.sync()
     finally:
         d.kill()
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            ssn = await conn.session()
-            bodies = [m.body for m in await browse(ssn, "work")]
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        bodies = [m.body for m in await browse(ssn, "work")]
     left = [int(b) for b in bodies[:-1]]
     assert bodies[-1] == b"marker"
     # Never lost: everything not accepted is there. At most the unsynced tail of the accepted comes back,
@@ -242,12 +237,8 @@ async def test_qflow_send_durable_yes_end_to_end(data_dir: Path) -> None:
             assert done.returncode == 0, done.stderr
     finally:
         d.kill()
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            got = await browse(await conn.session(), "tool")
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        got = await browse(ssn, "tool")
     assert [m.body for m in got] == [b"kept"] * 3
     assert all(m.durable and m.redelivered for m in got)
 
@@ -283,12 +274,8 @@ async def test_messages_of_a_queue_missing_from_the_configuration_are_kept_until
             assert ids(got) == [1, 2, 3, 4] and [m.redelivered for m in got] == [True, True, True, False]
     finally:
         d.kill()
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            assert ids(await browse(await conn.session(), "lost")) == [1, 2, 3, 4]
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        assert ids(await browse(ssn, "lost")) == [1, 2, 3, 4]
 
 
 # -- a journal that cannot be written ----------------------------------------------------------------------
@@ -316,12 +303,8 @@ async def test_a_failed_journal_write_stops_qflowd_and_completes_nothing_undurab
     log = d.log()
     assert "store: writing the message journal in " in log and "stopping: persistent messages" in log, log
     assert "qflowd: the message journal in " in log, log
-    d = qflowd(data_dir)
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            assert [m.body for m in await browse(await conn.session(), "q")] == [b"before"]
-    finally:
-        d.stop()
+    async with restarted(data_dir) as ssn:
+        assert [m.body for m in await browse(ssn, "q")] == [b"before"]
 
 
 # -- the crash test ----------------------------------------------------------------------------------------------
