@@ -120,15 +120,24 @@ class NativeAccounting:
         self._check(lib.acct_force_depth(self._st, _slot(queue), count, nbytes), queue)
 
     # -- results ------------------------------------------------------------
+    # Each reads its count first: a cffi field that is a pointer costs an
+    # allocation per read, and most batches have no holds and no transitions.
     def _completions(self) -> list[Completion]:
-        return _records(self._out.completions, self._out.ncompletions, 24, _iter_completions)
+        out = self._out
+        n = out.ncompletions
+        return list(_iter_completions(_buffer(out.completions, 24 * n))) if n else []
 
     def _holds(self) -> list[Hold]:
-        return _records(self._out.holds, self._out.nholds, 32, _iter_holds)
+        out = self._out
+        n = out.nholds
+        return list(_iter_holds(_buffer(out.holds, 32 * n))) if n else []
 
     def _transitions(self) -> list[Transition]:
-        records = _records(self._out.transitions, self._out.ntransitions, 32, _iter_transitions)
-        return [(q, bool(on), c, b) for q, on, c, b in records]
+        out = self._out
+        n = out.ntransitions
+        if not n:
+            return []
+        return [(q, bool(on), c, b) for q, on, c, b in _iter_transitions(_buffer(out.transitions, 32 * n))]
 
     def _check(self, rc: int, queue: int | None = None) -> None:
         """Raise the error PyAccounting raises for status ``rc``; ``queue`` is
@@ -173,8 +182,3 @@ _MESSAGES = {
     lib.ACCT_ERR_UNTERMINATED: "op log ends inside a transfer",
     lib.ACCT_ERR_HOLD_OUTSIDE_TRANSFER: "op {index}: hold outside a transfer",
 }
-
-
-def _records(buffer: Any, n: int, width: int, iterate: Any) -> list:
-    """The ``n`` records of ``width`` bytes in a C output buffer, as tuples."""
-    return list(iterate(_buffer(buffer, width * n))) if n else []

@@ -318,7 +318,15 @@ class FlowControl:
             return []
         # Transitions first: a resume in this log lets go every hold made before it, and
         # moves its queue's generation on; a hold of an older generation is already let go.
-        self._transitions(transitions, None)
+        if transitions:
+            self._transitions(transitions, None)
+        if holds:
+            self._hold(holds, seqs)
+        return completions
+
+    def _hold(self, holds: list[tuple[int, int, int, int]], seqs: list[int]) -> None:
+        """Record the holds of an applied log: each queue's tokens and held sessions
+        (a session is told when a queue first holds it), or an outside holder's arrivals."""
         queues, sessions = self.queues, self.sessions
         woken: dict[Holder, None] = {}
         for op_index, token, session_slot, slot in holds:
@@ -343,7 +351,6 @@ class FlowControl:
                 self.dirty[ssn] = None
         for holder in woken:
             holder.wake()
-        return completions
 
     def _tell_unheld(self) -> None:
         """Tell each session in ``unheld`` that its queue holds none of its transfers now."""
