@@ -271,30 +271,40 @@ class Sender:
     def _write_run(self, bodies: list[Any], head: bytes | None) -> None:
         """Number and write a run of transfers, as send does one: each is its
         prefix (cached if plain, ``head`` and its bin header if not) and body."""
-        n = len(bodies)
         parts = self._parts
         if not parts:
             self._conn._wake.set()
         append = parts.append
         start = len(parts)
         max_body = self._max_body(head)
-        for body in bodies:
-            if type(body) is not bytes:
-                body = _to_bytes(body)
-            if len(body) > max_body:
-                try:
-                    self._check_size(len(body), head)
-                except ResourceLimitExceeded:
-                    n = (len(parts) - start) // 2  # the bodies before it go, numbered; it and the rest do not
-                    self._commands.send_run(self, n)
-                    self.incomplete += n
-                    raise
-            if head is not None:
-                append(head + bin_header(len(body)))
+        try:
+            if head is None:  # the per-message loop of send_many: one length per body, no attribute
+                prefix, prefix_size = self._prefix, self._prefix_size
+                for body in bodies:
+                    if type(body) is not bytes:
+                        body = _to_bytes(body)
+                    size = len(body)
+                    if size != prefix_size:
+                        if size > max_body:
+                            self._check_size(size, head)
+                        prefix, prefix_size = self._plain_prefix(size), size
+                    append(prefix)
+                    append(body)
             else:
-                append(self._prefix if len(body) == self._prefix_size else self._plain_prefix(len(body)))
-            append(body)
+                for body in bodies:
+                    if type(body) is not bytes:
+                        body = _to_bytes(body)
+                    if len(body) > max_body:
+                        self._check_size(len(body), head)
+                    append(head + bin_header(len(body)))
+                    append(body)
+        except ResourceLimitExceeded:
+            n = (len(parts) - start) // 2  # the bodies before it go, numbered; it and the rest do not
+            self._commands.send_run(self, n)
+            self.incomplete += n
+            raise
         # Numbered once written: nothing else writes to this session's commands in between.
+        n = len(bodies)
         self._commands.send_run(self, n)
         self.incomplete += n
         if self.incomplete > self.max_incomplete:
