@@ -321,10 +321,9 @@ class Broker:
                 properties = msgpack.unpackb(buf[run.properties:run.properties + run.properties_len],
                                              raw=False, strict_map_key=False)
                 P.check_properties(properties)
-            if exchange == "":  # the default exchange, inline (as in transfer)
-                ex = self._default_exchange
-                q = self.queues.get(routing_key)
-                queues = q.route if q is not None else ()
+            q = self.queues.get(routing_key) if exchange == "" else None
+            if q is not None:  # the default exchange's usual case, inline
+                ex, queues = self._default_exchange, q.route
             else:
                 queues = self.route(exchange, routing_key, properties)
                 ex = self.exchanges[exchange]
