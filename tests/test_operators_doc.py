@@ -178,6 +178,9 @@ def test_every_shell_example_of_the_operators_guide(tmp_path: Path) -> None:
         # qpid-receive's --report-total columns.
         report = output_of(f"qflow-receive -b localhost:{ports['5672']} -a flow").splitlines()
         assert report[-2] == "tp(m/s)\tl-min\tl-max\tl-avg" and len(report[-1].split("\t")) == 4, report
+        # "~/.qflowd, created if missing", and "another one".
+        assert (home / ".qflowd" / "config.log").is_file()
+        assert (tmp_path / "var-lib-qflowd" / "config.log").is_file()
         # The completion scripts were written where the guide puts them.
         completions = home / ".local" / "share" / "bash-completion" / "completions"
         assert sorted(p.name for p in completions.iterdir()) == sorted(
