@@ -4,6 +4,10 @@
                   [--print-content yes|no] [--capacity N] [--ack-frequency N] [--report-total]
 
 Prints each body on its own line (``--print-content yes``, the default).
+``--report-total`` prints qpid-receive's columns: ``tp(m/s)``, and the
+latencies ``l-min l-max l-avg`` (ms, from the send time qflow-send and
+qpid-send put in the ``ts`` property to the arrival here) when the messages
+carry one.
 Exits 0 once N messages arrived (N = 0: no limit) or when nothing arrived
 for SECS seconds; every message it took is accepted (dequeued) before it
 exits. Exit 1 with the broker's message when the queue is refused or the
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import trio
 
@@ -62,7 +67,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def receive(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, float]:
+class Latency:
+    """qpid-receive's latency statistics, in ms: from each message's ``ts``
+    property (its send time, ns since the epoch) to its arrival."""
+
+    __slots__ = ("samples", "total", "low", "high")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.total = 0.0
+        self.low = float("inf")
+        self.high = 0.0
+
+    def add(self, sent_ns: object) -> None:
+        if type(sent_ns) is not int:  # no stamp (or not one we know): the message counts for throughput only
+            return
+        # Clocks of two hosts may disagree a little: a negative latency counts as 0.
+        ms = max(time.time_ns() - sent_ns, 0) / 1e6
+        self.samples += 1
+        self.total += ms
+        self.low = min(self.low, ms)
+        self.high = max(self.high, ms)
+
+    def columns(self) -> str:
+        """The three columns as qpid-receive prints them (none without a sample)."""
+        if not self.samples:
+            return ""
+        return f"\t{self.low:.2f}\t{self.high:.2f}\t{self.total / self.samples:.2f}"
+
+
+async def receive(args: argparse.Namespace, url: BrokerUrl,
+                  latency: Latency) -> tuple[int, int, float]:
     """Receive until done; returns (messages, bytes, seconds from the first message to the last)."""
     out = sys.stdout.buffer
     flush_each = sys.stdout.isatty()  # a person watching sees each line at once; a pipe gets big writes
@@ -77,6 +112,7 @@ async def receive(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, f
         bar = progress_bar(limit or None, PROG, not args.print_content and (limit == 0 or limit >= PROGRESS_MIN))
         received = nbytes = 0
         first = last = 0.0
+        report = args.report_total
         try:
             while limit == 0 or received < limit:
                 try:
@@ -88,6 +124,8 @@ async def receive(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, f
                     first = last
                 received += 1
                 nbytes += len(msg.body)
+                if report:
+                    latency.add(msg.headers.get("ts"))
                 if args.print_content:
                     out.write(msg.body + b"\n")
                     if flush_each:
@@ -109,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url = broker_address(parser, args.broker, 5672)
     try:
-        received, nbytes, seconds = trio.run(receive, args, url)
+        latency = Latency()
+        received, nbytes, seconds = trio.run(receive, args, url, latency)
     except qflow.QflowError as exc:
         return fail(PROG, exc.text)
     except BrokenPipeError:
@@ -121,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, f"cannot connect to {url.host}:{url.port}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         return 130
-    if args.report_total:  # qpid-receive's columns (no latency: qflow-send stamps no send time)
-        print("tp(m/s)")
-        print(f"{received / seconds if seconds > 0 else 0.0:.0f}")
+    if args.report_total:  # qpid-receive's columns, tab-separated; the latencies only if messages had a ts
+        print("tp(m/s)\tl-min\tl-max\tl-avg")
+        print(f"{received / seconds if seconds > 0 else 0.0:.0f}{latency.columns()}")
     return 0
 
 

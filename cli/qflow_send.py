@@ -1,13 +1,17 @@
 """qflow-send: send messages to a qflow broker, as qpid-send does to qpidd.
 
     qflow-send -b HOST:PORT -a ADDRESS [--messages N] [--content-string S | --content-size N |
-               --content-stdin] [--capacity N] [--durable yes|no] [--send-rate N] [--report-total]
+               --content-stdin] [--capacity N] [--durable yes|no] [--send-rate N] [--timestamp yes|no]
+               [--report-total]
 
 ADDRESS is a queue name (sent through the default exchange) or
 ``EXCHANGE/ROUTING-KEY``; it must exist, as a Qpid address must resolve.
 ``--capacity`` is the sender window: how many transfers may be incomplete
 at once. When a destination queue's flow control holds completions, sending
 pauses after that many (a warning says which queue every few seconds).
+Each message carries its send time in the property ``ts`` (nanoseconds since
+the epoch, as qpid-send's ``--timestamp yes``), from which qflow-receive
+``--report-total`` computes latencies; ``--timestamp no`` leaves it out.
 
 Exit 0 only once every transfer is complete; 1 with the broker's message when
 a transfer (or the address) is refused or the broker cannot be reached; 2 for
@@ -20,6 +24,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 
 import trio
@@ -67,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send at most N messages a second (default 0: no limit)")
     p.add_argument("--flow-timeout", type=positive_float, metavar="SECS",
                    help="give up (exit 1) after waiting SECS for broker flow control (default: wait)")
+    p.add_argument("--timestamp", type=yes_no, default=True, metavar="yes|no",
+                   help="put the send time in each message's 'ts' property, for qflow-receive's latency "
+                        "columns (default yes, as qpid-send)")
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
     p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
                    help="the connection's name, shown by qflow-stat -c")
@@ -113,8 +121,12 @@ async def send(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, floa
                 try:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(show_held, bar, ssn.held_by)
+                        stamp = time.time_ns if args.timestamp else None
                         for body in bodies(args):
-                            await sender.send(body)
+                            if stamp is None:
+                                await sender.send(body)
+                            else:  # qpid-send's "ts": the wall clock, so that another host can compare
+                                await sender.send(body, headers={"ts": stamp()})
                             sent += 1
                             nbytes += len(body)
                             bar.update()

@@ -101,3 +101,56 @@ def test_log_level_changed_at_run_time(tmp_path: Path) -> None:
         assert info.value.code == 400
     finally:
         d.stop()
+
+
+@pytest.mark.native_only
+async def test_changes_over_the_protocol_in_the_change_log(tmp_path: Path) -> None:
+    """A client's declare, modify, bind, unbind, purge and delete are in the same
+    change log as the API's, with who asked (connection address, user), once per
+    command whatever the messages; a passive declare (a look) is not a change."""
+    d = start("--no-data-dir", "--log-format", "json", log=str(tmp_path / "qflowd.log"))
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port, name="changer") as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("audited", durable=False, arguments={"qpid.max_count": 500})
+            await ssn.declare_queue("audited", arguments={"qpid.max_count": 500})  # exists: said so
+            await ssn.declare_queue("audited", passive=True)
+            await ssn.modify_queue("audited", {"qpid.max_count": 600})
+            await ssn.declare_exchange("audit-x", "topic")
+            await ssn.bind("audit-x", "audited", "a.#")
+            sender = ssn.sender("audit-x/a.b", capacity=50)
+            await sender.send_many([b"m"] * 200)
+            await sender.sync()
+            await ssn.unbind("audit-x", "audited", "a.#")
+            await ssn.purge_queue("audited")
+            await ssn.delete_exchange("audit-x")
+            with pytest.raises(qflow.NotFound):
+                await ssn.delete_queue("no such\nINFO forged line")
+            ssn = await conn.session()
+            await ssn.delete_queue("audited")
+            await ssn.sync()
+        records = wait_for_log(d, "queue.delete 'audited' done")
+        changes = [m for m in messages(records) if m.startswith("management change by 127.0.0.1:")]
+        who = "(user 'anonymous'): "
+        expected = [
+            who + "queue.declare 'audited' arguments {'qpid.max_count': 500} done (created)",
+            who + "queue.declare 'audited' arguments {'qpid.max_count': 500} done (it existed already: nothing "
+                  "changed)",
+            who + "queue.modify 'audited' arguments {'qpid.max_count': 600} done",
+            who + "exchange.declare 'audit-x' type topic done (created)",
+            who + "exchange.bind 'audit-x' to queue 'audited' key 'a.#' done",
+            who + "exchange.unbind 'audit-x' from queue 'audited' key 'a.#' done",
+            who + "queue.purge 'audited' done (200 messages removed)",
+            who + "exchange.delete 'audit-x' done",
+            who + "queue.delete 'no such\\x0aINFO forged line' refused (404): queue.delete: queue 'no such\\\\nINFO "
+                  "forged line' not found",  # the broker's text has repr's \\n: its backslash is doubled
+            who + "queue.delete 'audited' done (0 messages removed)",
+        ]
+        assert [m.split(" ", 4)[4] for m in changes] == expected, changes
+        # The same connection asked for every one of them: its address is the one the open was logged with.
+        (opened,) = [m for m in messages(records) if "opened: name 'changer'" in m]
+        peer = opened.split()[1]
+        assert all(m.startswith(f"management change by {peer} ") for m in changes)
+        assert not any("forged" in m and "\n" in m for m in messages(records))
+    finally:
+        d.stop()

@@ -16,89 +16,24 @@ have the venv: the README's ``. .venv/bin/activate`` must put the tools there.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DEADLINE = 120.0  # seconds for any one step on a slow, loaded machine; never a timing assertion
-MARK = "__README_RC__"
-
-
-def blocks(text: str) -> list[tuple[str, str, list[str]]]:
-    """(language, the HTML comment just before it or "", lines) for each fenced block."""
-    out = []
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        m = re.match(r"```(\w*)\s*$", lines[i])
-        if m and m.group(1):
-            before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-            end = lines.index("```", i + 1)
-            out.append((m.group(1), before if before.startswith("<!--") else "", lines[i + 1:end]))
-            i = end
-        i += 1
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Terminal:
-    """A bash the test types lines into, as a person would; its output is read back."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(["bash", "--noprofile", "--norc"], cwd=ROOT, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.output: list[str] = []
-
-    def type(self, line: str) -> None:
-        self.proc.stdin.write(f"{line}\necho {MARK}$?\n")
-        self.proc.stdin.flush()
-
-    def read_until(self, predicate) -> str:
-        """Output lines until one satisfies ``predicate`` (returned); fails if the shell ends first."""
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError("the terminal ended:\n" + "".join(self.output[-40:]))
-            self.output.append(line)
-            if predicate(line):
-                return line
-
-    def run(self, line: str) -> tuple[int, str]:
-        """Type a command and wait for it to finish: (exit status, its output)."""
-        start = len(self.output)
-        self.type(line)
-        rc = int(self.read_until(lambda text: text.startswith(MARK))[len(MARK):])
-        return rc, "".join(self.output[start:-1])
-
-    def interrupt(self) -> None:
-        """Ctrl-C: SIGINT to the terminal's process group (the shell this test started, and its children)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=DEADLINE)
-            except (subprocess.TimeoutExpired, BrokenPipeError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+from tests.shell_walkthrough import (
+    DEADLINE,
+    MARK,
+    ROOT,
+    Terminal,
+    blocks,
+    free_port,
+    held_senders,
+    wait_until,
+)
 
 
 def substitute(line: str, port: int, mgmt_port: int) -> str:
@@ -107,21 +42,8 @@ def substitute(line: str, port: int, mgmt_port: int) -> str:
     return re.sub(r"^(qflow-(?:config|stat|send|receive)) ", rf"\1 -b localhost:{port} ", line)
 
 
-def api(mgmt_port: int, path: str) -> object:
-    with urllib.request.urlopen(f"http://127.0.0.1:{mgmt_port}{path}", timeout=DEADLINE) as response:
-        return json.loads(response.read())
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not predicate():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.1)  # polling the broker for an event
-
-
 def held_sender(mgmt_port: int) -> bool:
-    return any(c["name"].startswith("qflow-send") and any(s["heldBy"] for s in c["sessions"])
-               for c in api(mgmt_port, "/api/connections"))
+    return bool(held_senders(mgmt_port))
 
 
 @pytest.mark.native_only

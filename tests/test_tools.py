@@ -7,6 +7,7 @@ the management API (or the tools' own output).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+import trio
 
+import qflow
 from tests.conftest import Daemon
 
 BIN = Path(sys.executable).parent
@@ -237,10 +240,49 @@ def test_send_and_receive(daemon: Daemon) -> None:
     assert queue(d, "greetings")["msgDepth"] == 1
     rest = ok(run("qflow-receive", "-b", b, "-a", "greetings", "--timeout", "1", "--print-content", "no",
                   "--report-total"))
-    assert rest.splitlines()[0] == "tp(m/s)" and rest.splitlines()[1].isdigit()
+    assert rest.splitlines()[0] == "tp(m/s)\tl-min\tl-max\tl-avg" and len(rest.splitlines()[1].split("\t")) == 4
     empty = run("qflow-receive", "-b", b, "-a", "greetings", "--timeout", "0.5")
     assert ok(empty) == ""
     ok(config(d, "del", "queue", "greetings"))
+
+
+@pytest.mark.native_only
+def test_report_total_latency_columns(daemon: Daemon) -> None:
+    """qpid-receive's --report-total: a header ``tp(m/s) l-min l-max l-avg``
+    (tab-separated), the throughput, and the latencies in ms from the send
+    time qflow-send stamps in the ``ts`` property (qpid-send's --timestamp,
+    default yes); without stamps (--timestamp no) the latencies are left out."""
+    d = daemon
+    b = f"127.0.0.1:{d.port}"
+    ok(config(d, "add", "queue", "stamped"))
+    before = time.time_ns()
+    ok(run("qflow-send", "-b", b, "-a", "stamped", "--messages", "20", "--content-size", "8"))
+    got = ok(run("qflow-receive", "-b", b, "-a", "stamped", "--messages", "20", "--timeout", "30",
+                 "--print-content", "no", "--report-total"))
+    header, values = got.splitlines()
+    assert header == "tp(m/s)\tl-min\tl-max\tl-avg"
+    tp, low, high, avg = values.split("\t")
+    assert tp.isdigit() and all(re.fullmatch(r"\d+\.\d\d", v) for v in (low, high, avg)), values
+    assert float(low) <= float(avg) <= float(high)
+    # The latency cannot exceed the time since before the sender started.
+    assert float(high) <= (time.time_ns() - before) / 1e6
+
+    ok(run("qflow-send", "-b", b, "-a", "stamped", "--messages", "3", "--timestamp", "no"))
+    got = ok(run("qflow-receive", "-b", b, "-a", "stamped", "--messages", "3", "--timeout", "30",
+                 "--print-content", "no", "--report-total"))
+    header, values = got.splitlines()
+    assert header == "tp(m/s)\tl-min\tl-max\tl-avg" and values.isdigit()  # no stamp, no latency
+
+    async def one_stamp() -> object:  # what qflow-send puts there: qpid-send's ts, ns since the epoch
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            receiver = await ssn.receiver("stamped")
+            return (await receiver.fetch(30)).headers.get("ts")
+
+    ok(run("qflow-send", "-b", b, "-a", "stamped", "--messages", "1"))
+    stamp = trio.run(one_stamp)
+    assert type(stamp) is int and before <= stamp <= time.time_ns()
+    ok(config(d, "del", "queue", "stamped", "--force"))
 
 
 def test_three_senders_under_flow_control(daemon: Daemon) -> None:
@@ -286,7 +328,8 @@ def test_three_senders_under_flow_control(daemon: Daemon) -> None:
         total = per_sender * len(capacities)
         received = ok(run("qflow-receive", "-b", b, "-a", "flow", "--messages", str(total), "--timeout", "30",
                           "--print-content", "no", "--capacity", "100", "--report-total"))
-        assert received.splitlines()[0] == "tp(m/s)" and received.splitlines()[1].isdigit()
+        assert received.splitlines()[0] == "tp(m/s)\tl-min\tl-max\tl-avg"
+        assert received.splitlines()[1].split("\t")[0].isdigit()
         for p in senders:
             out, err = p.communicate(timeout=DEADLINE)
             assert p.returncode == 0, err

@@ -109,13 +109,14 @@ class Broker:
 
     # -- sessions -------------------------------------------------------------
     def open_session(self, channel: int, name: str, out: SessionOutput | None = None,
-                     user: str = "") -> BrokerSession:
-        """Attach a session of ``user`` (its connection's authenticated user).
+                     user: str = "", peer: str = "") -> BrokerSession:
+        """Attach a session of ``user`` (its connection's authenticated user),
+        connected from ``peer`` (its address, for the log).
         What it is told goes to ``out`` (one gathering qflow frames in memory
         if none), whose ``wake()`` is called after each batch that told it something."""
         slot = self._next_session_slot
         self._next_session_slot += 1
-        ssn = BrokerSession(channel, name, slot, out, user)
+        ssn = BrokerSession(channel, name, slot, out, user, peer)
         self.sessions[slot] = ssn
         self.flow.sessions[slot] = ssn
         return ssn

@@ -8,7 +8,8 @@ module calls the model (qflow.broker.broker); the model never calls it. No I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Generator
 from types import GeneratorType
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +19,17 @@ from qflow.broker.acl import queue_request
 from qflow.broker.queue import Consumer, Queue
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry
-from qflow.protocol.names import check_name
+from qflow.protocol.names import check_name, printable
 from qflow.protocol.ranges import RangeSet
 
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker, Steps
     from qflow.broker.session import BrokerSession
+
+# The management change log (qflow.management.api logs the API's changes there): a
+# client's declare, delete, purge, modify, bind and unbind go to the same log, once
+# per command, so an operator sees every change whichever way it came.
+change_log = logging.getLogger("qflow.management")
 
 NO_COMPLETE = object()  # a handler's result: the command completes later (execution.sync)
 
@@ -35,6 +41,56 @@ MAX_RANGES = 10_000  # ranges in one message.accept or message.release
 MAX_WAITING_SYNCS = 1_000  # execution.sync commands of one session waiting for earlier commands
 
 
+def _log_change(ssn: BrokerSession, command: str, what: str, outcome: str) -> None:
+    change_log.info("management change by %s (user '%s'): %s %s %s", ssn.peer or "?", printable(ssn.user), command,
+                    printable(what[:300]), printable(outcome[:300]))
+
+
+def _changes(command: str, what: Callable[..., str | None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Log each run of the handler it decorates as a change made by the
+    session's client (``what(*fields)`` says to what), done or refused. A
+    handler's long work (a generator of steps) is logged once it has ended."""
+    def decorate(handler: Callable[..., Any]) -> Callable[..., Any]:
+        def logged(broker: Broker, ssn: BrokerSession, cid: int, *fields: Any) -> Any:
+            target = what(*fields)
+            if target is None:  # not a change (a passive declare only looks)
+                return handler(broker, ssn, cid, *fields)
+            try:
+                result = handler(broker, ssn, cid, *fields)
+            except CommandError as exc:
+                _log_change(ssn, command, target, f"refused ({exc.code}): {exc.text}")
+                raise
+            if type(result) is GeneratorType:
+                return _logged_steps(result, ssn, command, target)
+            _log_change(ssn, command, target, _done(result))
+            return result
+        logged.__name__ = handler.__name__
+        return logged
+    return decorate
+
+
+def _done(result: Any) -> str:
+    if type(result) is dict and "created" in result:
+        return "done (created)" if result["created"] else "done (it existed already: nothing changed)"
+    return "done"
+
+
+def _logged_steps(steps: Steps, ssn: BrokerSession, command: str, what: str) -> Generator[None, None, int]:
+    try:
+        count = yield from steps
+    except CommandError as exc:
+        _log_change(ssn, command, what, f"refused ({exc.code}): {exc.text}")
+        raise
+    _log_change(ssn, command, what, f"done ({count} messages removed)")
+    return count
+
+
+def _flags(**flags: bool) -> str:
+    return "".join(f" {name.replace('_', '-')}" for name, on in flags.items() if on)
+
+
+@_changes("queue.declare", lambda queue, durable, exclusive, auto_delete, arguments, passive: None if passive else
+          f"'{queue}'{_flags(durable=durable, exclusive=exclusive, auto_delete=auto_delete)} arguments {arguments}")
 def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, durable: bool, exclusive: bool,
                    auto_delete: bool, arguments: dict, passive: bool) -> dict:
     if queue not in broker.queues:  # a name the broker holds already (recovered from older data) stays usable
@@ -48,6 +104,8 @@ def _queue_declare(broker: Broker, ssn: BrokerSession, cid: int, queue: str, dur
     return {"queue": q.name, "created": created}
 
 
+@_changes("queue.delete",
+          lambda queue, if_empty, if_unused: f"'{queue}'{_flags(if_empty=if_empty, if_unused=if_unused)}")
 def _queue_delete(broker: Broker, ssn: BrokerSession, cid: int, queue: str, if_empty: bool,
                   if_unused: bool) -> Steps:
     broker.authorize(ssn.user, "delete", "queue", {"name": queue})
@@ -74,6 +132,7 @@ def _queue_remove_sequences(broker: Broker, ssn: BrokerSession, cid: int, queue:
                                                 by=ssn)}
 
 
+@_changes("queue.purge", lambda queue: f"'{queue}'")
 def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> Steps:
     broker.authorize(ssn.user, "purge", "queue", {"name": queue})
     return broker.purge_steps(queue, by=ssn)
@@ -84,12 +143,15 @@ def _queue_query(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> di
     return broker.queue_stats(broker.queue("queue.query", queue))
 
 
+@_changes("queue.modify", lambda queue, arguments: f"'{queue}' arguments {arguments}")
 def _queue_modify(broker: Broker, ssn: BrokerSession, cid: int, queue: str, arguments: dict) -> dict:
     broker.authorize(ssn.user, "update", "queue", queue_request(queue, arguments))
     broker.modify_queue(broker.queue("queue.modify", queue), arguments, by=ssn)
     return broker.queue_stats(broker.queues[queue])
 
 
+@_changes("exchange.declare", lambda exchange, type_, durable, passive: None if passive
+          else f"'{exchange}' type {type_}{_flags(durable=durable)}")
 def _exchange_declare(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, type_: str, durable: bool,
                       passive: bool) -> dict:
     if exchange not in broker.exchanges:
@@ -101,16 +163,19 @@ def _exchange_declare(broker: Broker, ssn: BrokerSession, cid: int, exchange: st
     return {"exchange": exchange, "created": broker.declare_exchange(exchange, type_, durable, passive)}
 
 
+@_changes("exchange.delete", lambda exchange, if_unused: f"'{exchange}'{_flags(if_unused=if_unused)}")
 def _exchange_delete(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, if_unused: bool) -> None:
     broker.authorize(ssn.user, "delete", "exchange", {"name": exchange})
     broker.delete_exchange(exchange, if_unused)
 
 
+@_changes("exchange.bind", lambda exchange, queue, key: f"'{exchange}' to queue '{queue}' key '{key}'")
 def _bind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: str, key: str) -> None:
     broker.authorize(ssn.user, "bind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
     broker.bind(exchange, queue, key, by=ssn)
 
 
+@_changes("exchange.unbind", lambda exchange, queue, key: f"'{exchange}' from queue '{queue}' key '{key}'")
 def _unbind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: str, key: str) -> None:
     broker.authorize(ssn.user, "unbind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
     broker.bind(exchange, queue, key, unbind=True, by=ssn)

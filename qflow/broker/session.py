@@ -31,11 +31,12 @@ class BrokerSession:
 
     __slots__ = ("channel", "name", "slot", "out", "commands",
                  "next_delivery", "unacked", "unacked_queues", "unacked_base", "unacked_count", "consumers",
-                 "capacity", "closed", "held_since", "last_queues", "user", "published")
+                 "capacity", "closed", "held_since", "last_queues", "user", "published", "peer")
 
     def __init__(self, channel: int, name: str, slot: int, out: SessionOutput | None = None,
-                 user: str = "") -> None:
+                 user: str = "", peer: str = "") -> None:
         self.channel = channel
+        self.peer = peer  # its connection's address, for the change log ("" in memory)
         self.user = user  # its connection's authenticated user (the ACL's subject, and the views)
         # The ACL's publish decisions for this session, by (exchange, routing key): None
         # allowed, else the denial. Decided once each, forgotten on reload (Broker.set_acl).

@@ -55,7 +55,7 @@ class Connection:
         self.connected_at = trio.current_time()
         self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened, users,
                                    secret, announce, negotiate_time=negotiate_time, idle_timeout=idle_timeout,
-                                   admit=admit)
+                                   admit=admit, peer=peer)
         self.protocol = self.pump.protocol
         self.encoder = self.pump.encoder
         self.encoder.limit = OUTPUT_LIMIT_FRAMES * max_frame_size

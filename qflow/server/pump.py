@@ -73,12 +73,14 @@ class ConnectionPump:
                  wake: Callable[[], None] = _nothing, on_opened: Callable[[Opened], None] = _nothing,
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
-                 admit: Callable[[str], str | None] | None = None) -> None:
-        """``users``: authenticate clients against them (None: authentication
+                 admit: Callable[[str], str | None] | None = None, peer: str = "") -> None:
+        """``peer``: the client's address (its sessions carry it, for the change
+        log); ``users``: authenticate clients against them (None: authentication
         off); ``secret``: the broker's, for unknown users' decoy verifiers;
         ``negotiate_time`` and ``idle_timeout``: the connection's clocks
         (qflow.protocol.connection); ``admit``: the per-user limit's check."""
         self.broker = broker
+        self.peer = peer
         self.protocol = ProtocolConnection(Role.SERVER, max_frame_size=max_frame_size, now=now, users=users,
                                            secret=secret, announce=announce, negotiate_time=negotiate_time,
                                            idle_timeout=idle_timeout, admit=admit)
@@ -202,7 +204,8 @@ class ConnectionPump:
         kind = type(event)
         if kind is AttachRequested:
             ssn = self.broker.open_session(event.channel, event.name,
-                                           self.protocol.session_output(event.channel, self.wake), self.protocol.user)
+                                           self.protocol.session_output(event.channel, self.wake), self.protocol.user,
+                                           self.peer)
             # The rest of a transfer frame after this head is stored as it came.
             self.transfer_heads[event.channel] = transfer_head(event.channel)
             self.protocol.accept_attach(event.channel, ssn)
