@@ -17,7 +17,9 @@ is addressable, ``/`` as ``%2F``)::
     GET    /api/queues                 GET|PUT|PATCH|DELETE /api/queues/{name}
     POST   /api/queues/{name}/purge    GET /api/exchanges    GET|PUT|DELETE /api/exchanges/{name}
     GET|POST|DELETE /api/bindings      GET /api/connections  GET /api/broker    GET /metrics
-    POST   /api/acl/reload
+    POST   /api/acl/reload             GET /api (this list)
+    GET    /  and  /console/{file}     the web console (qflow.management.console)
+    GET    /api/events                 the console's live feed: server-sent events (qflow.management.events)
 
 With an ACL (--acl-file), every request is checked as the client command
 that does the same would be, for the user of its HTTP Basic credentials
@@ -26,7 +28,9 @@ lists show only what the user may access), PUT ``create``, PATCH ``update``,
 DELETE ``delete``, purge ``purge``, POST/DELETE of a binding
 ``bind``/``unbind``, GET /api/broker and /metrics ``access broker``, and the
 reload ``update broker``. /api/connections shows other users' connections
-only to a user allowed ``access broker``. A denial is a 403.
+only to a user allowed ``access broker``. A denial is a 403. The console's
+page and files are the same for everyone (no data in them); its event
+stream is filtered as the routes it mirrors are, snapshot by snapshot.
 
 Errors are ``{"error": "..."}`` with a 4xx status: 400 bad input, 404 missing,
 405 wrong method, 409 conflict (a broker precondition, a lock, a declare that
@@ -54,6 +58,8 @@ from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.acl import AclDenied, queue_request
 from qflow.broker.queue import Queue
+from qflow.management.console import SECURITY_HEADERS, asset
+from qflow.management.events import EventStream
 from qflow.management.metrics import CONTENT_TYPE as METRICS_TYPE
 from qflow.management.metrics import render_metrics
 from qflow.management.views import (
@@ -62,6 +68,7 @@ from qflow.management.views import (
     connection_views,
     exchange_view,
     exchange_views,
+    iso,
     jsonable,
     queue_view,
     queue_views,
@@ -276,8 +283,10 @@ _ROUTES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("GET", ("api", "broker", "log-level"), "get_log_level"),
     ("PUT", ("api", "broker", "log-level"), "put_log_level"),
     ("GET", ("metrics",), "metrics"),
+    ("GET", ("api", "events"), "events"),
     ("GET", ("api",), "index"),
-    ("GET", (), "index"),
+    ("GET", (), "console"),
+    ("GET", ("console", "{}"), "console_asset"),
 )
 
 
@@ -368,9 +377,10 @@ class ManagementApi:
 
     # -- entry point ----------------------------------------------------------
     def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-               peer: str = "") -> Response:
+               peer: str = "") -> Response | EventStream:
         """Answer one request of ``user`` (checked against the ACL, if any).
-        Never raises: refusals become 4xx responses. A change (any method but
+        Never raises: refusals become 4xx responses. ``GET /api/events`` is
+        answered with an EventStream, whose events the server writes. A change (any method but
         GET and HEAD) is logged at info with who asked (``peer``, the HTTP
         client's address, and ``user``) and whether it was made or refused."""
         response = self.handle_in_steps(method, target, body, user, peer)
@@ -379,7 +389,7 @@ class ManagementApi:
         return response
 
     def handle_in_steps(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-                        peer: str = "") -> Response | Pending:
+                        peer: str = "") -> Response | Pending | EventStream:
         """As :meth:`handle`, but a purge or delete of a deep queue gives a
         :class:`Pending` whose steps the server runs, serving others between;
         the change is logged once its response is known."""
@@ -405,7 +415,7 @@ class ManagementApi:
                      printable(target.decode("ascii", "backslashreplace")[:300]), outcome, response.status,
                      f": {printable(detail[:300])}" if detail else "")
 
-    def _handle(self, method: str, target: bytes, body: bytes) -> Response | Pending:
+    def _handle(self, method: str, target: bytes, body: bytes) -> Response | Pending | EventStream:
         try:
             segments, query = _split_target(target)
             methods, params = _match(segments)
@@ -645,6 +655,44 @@ class ManagementApi:
                 seen.setdefault("/" + "/".join("{name}" if s == "{}" else s for s in pattern), []).append(method)
         return json_response(200, {"name": "qflowd", "version": __version__,
                                    "endpoints": [f"{' '.join(m)} {p}" for p, m in seen.items()]})
+
+    # -- the web console ------------------------------------------------------------
+    def console(self, *, query: dict[str, str], body: bytes) -> Response:
+        self._no_query(query)
+        return self.console_asset("index.html", query=query, body=body)
+
+    def console_asset(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        self._no_query(query)
+        found = asset(name)
+        if found is None:
+            raise ApiError(404, f"no such console file: {name[:100]!r}")
+        content, media_type = found
+        return Response(200, content, media_type, list(SECURITY_HEADERS))
+
+    def events(self, *, query: dict[str, str], body: bytes) -> EventStream:
+        """The console's feed: a snapshot of :meth:`snapshot` for this user every half second."""
+        self._no_query(query)
+        user = self.user
+        return EventStream(lambda: self.snapshot(user), time.monotonic)
+
+    def snapshot(self, user: str) -> dict[str, Any]:
+        """What the console shows, as ``user`` may see it: the queues (as /api/queues), the
+        connections (as /api/connections) and, if allowed ``access broker``, the broker's
+        version, uptime and totals (as /api/broker)."""
+        self.user = user
+        queues = queue_views(self.broker)
+        if self.broker.acl is not None:
+            queues = [v for v in queues if self._may("access", "queue", {"name": v["name"]})]
+        connections = connection_views(self.broker, self.server, self._clock(), _trio_now())
+        may_see_broker = self._may("access", "broker", {})
+        if not may_see_broker:
+            connections = [v for v in connections if v["user"] == user]
+        broker = None
+        if may_see_broker:
+            full = self.broker_view()
+            broker = {key: full[key] for key in ("name", "version", "startedAt", "uptimeSeconds", "totals")}
+        return {"time": iso(self._clock()), "user": user, "broker": broker, "queues": queues,
+                "connections": connections}
 
     def metrics(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
