@@ -3,7 +3,8 @@
 // shown is set as text (a queue name is chosen by clients, never trusted as HTML).
 "use strict";
 
-const HISTORY_SECONDS = 120;   // what a chart spans
+const HISTORY_SECONDS = 120;   // the most a chart spans
+const MIN_SPAN_SECONDS = 30;   // the least: a page just opened charts its first seconds on this span
 const CHART_ALL_UP_TO = 12;    // chart every queue while there are at most this many
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -184,7 +185,8 @@ function chart(name, h, now) {
   const resume = bytes ? last.resumeSize : last.resume;
   const W = 420, H = 170, L = 56, R = 8, T = 10, B = 22;
   const top = Math.max(1, stop * 1.15, ...h.map(value)) * 1.05;
-  const x = t => L + (W - L - R) * (1 - (now - t) / (HISTORY_SECONDS * 1000));
+  const span = Math.min(HISTORY_SECONDS, Math.max(MIN_SPAN_SECONDS, (now - h[0].t) / 1000)) * 1000;
+  const x = t => L + (W - L - R) * (1 - (now - t) / span);
   const y = v => T + (H - T - B) * (1 - v / top);
   const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img",
                            "aria-label": `${name}: depth in ${unit} against its thresholds`});
@@ -207,12 +209,14 @@ function chart(name, h, now) {
   for (const [cls, v, text] of [["stop-line", stop, "stop"], ["resume-line", resume, "resume"]]) {
     if (!v) continue;
     root.append(svg("line", {class: cls, x1: L, y1: y(v), x2: W - R, y2: y(v), "data-value": v}));
-    label(`${text} ${v}`, y(v));
+    const t = svg("text", {x: L + 4, y: y(v) - 3, class: cls + "-label"});
+    t.textContent = `${text} ${v}`;
+    root.append(t);
   }
   const points = h.map(s => `${x(s.t).toFixed(1)},${y(value(s)).toFixed(1)}`).join(" ");
   root.append(svg("polyline", {class: "depth", points}));
   const axis = svg("text", {x: W - R, y: H - 6, "text-anchor": "end"});
-  axis.textContent = `${unit}, last ${HISTORY_SECONDS} s`;
+  axis.textContent = `${unit}, last ${Math.round(span / 1000)} s`;
   root.append(axis);
   return el("figure", {className: "chart", dataset: {queue: name}}, el("figcaption", {}, `${name}: ${value(last)} ${unit}`), root);
 }
@@ -241,7 +245,7 @@ function renderConnections(list) {
         el("td", {}, i === 0 ? `${c.name || ""} ${c.peer}`.trim() : ""),
         el("td", {}, i === 0 ? c.user || "" : ""),
         el("td", {}, i === 0 ? `${clock(c.connectedAt)} (${Math.round(c.connectedSeconds)} s)` : ""),
-        el("td", {className: "session"}, s ? s.name : "–"),
+        el("td", {className: "session"}, s ? s.name || `channel ${s.channel}` : "–"),
         el("td", {}, s && s.senderCapacity !== null && s.senderCapacity !== undefined ? String(s.senderCapacity) : ""),
         el("td", {className: "heldTransfers"}, s ? String(s.heldTransfers) : ""),
         el("td", {className: "heldBy"}, heldBy || (s ? "–" : "")),
