@@ -19,13 +19,14 @@ real HTTP server, and that the assets are package data.
 from __future__ import annotations
 
 import base64
-import fnmatch
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
+import sys
 import time
-import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -322,11 +323,22 @@ def test_the_event_stream_obeys_the_request_guard(daemon):
     assert info.value.code == 403
 
 
+def test_a_head_of_the_stream_is_its_head_alone(daemon):
+    s = raw_request(daemon.mgmt_port, b"HEAD /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    with s:
+        data = read_until(s, b"\r\n\r\n")
+        while chunk := s.recv(65536):  # the server closes after the head: nothing follows it
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"\r\n\r\n"), data
+    assert b"content-type: text/event-stream" in data.lower()
+
+
 def test_the_stream_is_exempt_from_the_request_timeout_and_bounded_per_client(daemon):
     """The daemon's --mgmt-timeout is 2 s. A stream outlives it while read; a client has at most
     4 streams (half its 8 connections), so its tools and the console's own actions still get in."""
     d = daemon
-    first, data = open_stream(d.mgmt_port)
+    # A stream of a page closed by an earlier test ends at its next write: until then it may hold a slot.
+    first, data = until("a stream slot", lambda: _stream_or_none(d.mgmt_port, first_event=True))
     head = data.split(b"\r\n\r\n", 1)[0].lower()
     assert head.startswith(b"http/1.1 200 ") and b"content-type: text/event-stream" in head
     assert b"transfer-encoding: chunked" in head and b"cache-control: no-store" in head
@@ -342,7 +354,7 @@ def test_the_stream_is_exempt_from_the_request_timeout_and_bounded_per_client(da
             events += data.count(b"event: snapshot")
         assert events >= 2
         for _ in range(3):
-            streams.append(open_stream(d.mgmt_port)[0])
+            streams.append(until("a stream slot", lambda: _stream_or_none(d.mgmt_port))[0])
         fifth = raw_request(d.mgmt_port, b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         with fifth:
             answer = read_until(fifth, b"}\n")
@@ -353,19 +365,20 @@ def test_the_stream_is_exempt_from_the_request_timeout_and_bounded_per_client(da
         ok(config(d, "queues"))
         # A stream closed by its client frees its slot (the server sees it at its next write).
         streams.pop().close()
-        again = until("a freed stream slot", lambda: _stream_or_none(d.mgmt_port))
-        streams.append(again)
+        streams.append(until("a freed stream slot", lambda: _stream_or_none(d.mgmt_port))[0])
     finally:
         for s in streams:
             s.close()
 
 
-def _stream_or_none(port: int) -> socket.socket | None:
+def _stream_or_none(port: int, first_event: bool = False) -> tuple[socket.socket, bytes] | None:
+    """A new stream (and what was read of it), or None if it was refused as one too many."""
     s = raw_request(port, b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    head = read_until(s, b"\r\n\r\n")
-    if head.startswith(b"HTTP/1.1 200 "):
-        return s
+    data = read_until(s, b"\r\n\r\n")
+    if data.startswith(b"HTTP/1.1 200 "):
+        return s, read_until(s, b"\n\n", data) if first_event else data
     s.close()
+    assert data.startswith(b"HTTP/1.1 429 "), data
     return None
 
 
@@ -503,13 +516,22 @@ def test_the_page_and_its_files_are_served_with_a_strict_policy():
     assert "GET /api/events" in index["endpoints"] and "GET /api/queues" in index["endpoints"]
 
 
-def test_the_console_files_are_package_data():
-    """They are served from the installed package, so a wheel must carry them."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "qflow.management.console" in project["packages"]
-    patterns = project["package-data"]["qflow.management.console"]
-    files = {p.name for p in (ROOT / "qflow" / "management" / "console").iterdir() if p.suffix != ".py"
-             and p.is_file()}
-    assert files == set(ASSETS)
-    for name in files:
-        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
+def test_the_console_is_served_from_a_built_package(tmp_path):
+    """The files are package data: setuptools' build_py (what a wheel is made of) of a copy of the
+    checkout carries them, and the console module there serves them, byte for byte."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "tests", "docs", "bench", "examples", "build", "*.egg-info", "__pycache__", "*.so"))
+    built = tmp_path / "built"
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(built)], cwd=source, check=True,
+                   capture_output=True, timeout=DEADLINE)
+    script = ("import json, qflow.management.console as c\n"
+              "print(json.dumps([c.__file__, {n: c.asset(n)[0].decode() for n in c.ASSETS}]))")
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(built)},
+                            capture_output=True, text=True, timeout=DEADLINE, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    where, served = json.loads(result.stdout)
+    assert where == str(built / "qflow" / "management" / "console" / "__init__.py")
+    console = ROOT / "qflow" / "management" / "console"
+    assert served == {name: (console / name).read_text() for name in ASSETS}
+    assert {p.name for p in console.iterdir() if p.is_file() and p.suffix != ".py"} == set(ASSETS)
