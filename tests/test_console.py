@@ -473,6 +473,26 @@ def test_rates_are_counters_between_two_snapshots_of_the_stream():
     assert stream.sent == 4
 
 
+def test_a_stream_waits_longer_when_its_snapshots_are_costly():
+    """However many queues, a stream spends at most 1/20 of its time building snapshots."""
+    now = [0.0]
+    cost = [0.001]
+
+    def snapshot() -> dict[str, Any]:
+        now[0] += cost[0]  # building it takes this long
+        return {"queues": []}
+
+    stream = EventStream(snapshot, lambda: now[0])
+    stream.next_event()
+    assert stream.interval == 0.5  # cheap: every half second
+    cost[0] = 0.2
+    stream.next_event()
+    assert stream.interval == pytest.approx(4.0)  # 0.2 s to build: 4 s between two
+    cost[0] = 0.01
+    stream.next_event()
+    assert stream.interval == 0.5
+
+
 def test_the_snapshot_shows_what_the_routes_show_and_an_acl_filters_it_alike():
     broker = Broker()
     api = ManagementApi(broker)

@@ -20,7 +20,11 @@ negative rate.
 
 Memory is bounded by construction: the server builds the next snapshot only
 once the previous one has been handed to the socket, and drops a client that
-does not read one within its timeout.
+does not read one within its timeout. Time is bounded too: a snapshot's cost
+grows with the number of queues and connections, so a stream whose last
+snapshot took longer than 1/``COST_SHARE`` of ``INTERVAL`` to build waits
+``COST_SHARE`` times that cost before the next. A stream never takes more
+than about 5 % of the broker's time, however large the broker.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 INTERVAL = 0.5  # seconds between two snapshots of a stream
 RETRY_MS = 2000  # how long a browser's EventSource waits before reconnecting (after a broker restart)
 CONTENT_TYPE = "text/event-stream; charset=utf-8"
+COST_SHARE = 20  # a stream waits at least this many times what its last snapshot took to build
 
 Snapshot = Callable[[], dict[str, Any]]
 
@@ -44,7 +49,8 @@ class EventStream:
     def __init__(self, snapshot: Snapshot, clock: Callable[[], float], interval: float = INTERVAL) -> None:
         self.snapshot = snapshot
         self.clock = clock
-        self.interval = interval
+        self.least_interval = interval
+        self.interval = interval  # how long to wait before the next event: more on a large broker
         self.sent = 0  # events built so far: the server builds one only after the last was written
         self._previous: tuple[float, dict[tuple[str, str], tuple[int, int]]] | None = None
 
@@ -67,6 +73,7 @@ class EventStream:
                 q["dequeueRate"] = round(max(0, now_counts[1] - before[1]) / elapsed, 1)
         self._previous = (now, counters)
         data = json.dumps(view, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        self.interval = max(self.least_interval, (self.clock() - now) * COST_SHARE)
         head = f"retry: {RETRY_MS}\n" if self.sent == 0 else ""
         self.sent += 1
         # JSON from json.dumps holds no raw newline, so the whole snapshot is one data line.
