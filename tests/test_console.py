@@ -43,7 +43,7 @@ from qflow.broker import Broker
 from qflow.broker.acl import parse
 from qflow.management import ManagementApi, ManagementServer
 from qflow.management.console import ASSETS
-from qflow.management.events import EventStream
+from qflow.management.events import EventStream, Feed
 from qflow.testing import Daemon, chromium
 from tests.conftest import start_qflowd
 from tests.test_auth import passwd
@@ -449,7 +449,7 @@ def test_rates_are_counters_between_two_snapshots_of_the_stream():
         return {"queues": [{"name": "q", "incarnation": counts["incarnation"], "msgTotalEnqueues": counts["enq"],
                             "msgTotalDequeues": counts["deq"]}]}
 
-    stream = EventStream(snapshot, lambda: now[0])
+    stream = EventStream(Feed(snapshot, lambda: now[0]))
     first = stream.next_event()
     assert first.startswith(b"retry: 2000\nevent: snapshot\ndata: ") and first.endswith(b"\n\n")
     assert first.count(b"\n") == 4  # one data line
@@ -482,15 +482,39 @@ def test_a_stream_waits_longer_when_its_snapshots_are_costly():
         now[0] += cost[0]  # building it takes this long
         return {"queues": []}
 
-    stream = EventStream(snapshot, lambda: now[0])
+    stream = EventStream(Feed(snapshot, lambda: now[0]))
     stream.next_event()
     assert stream.interval == 0.5  # cheap: every half second
     cost[0] = 0.2
+    now[0] += 0.5
     stream.next_event()
     assert stream.interval == pytest.approx(4.0)  # 0.2 s to build: 4 s between two
-    cost[0] = 0.01
+    now[0] += 1.0
     stream.next_event()
-    assert stream.interval == 0.5
+    assert stream.feed.built == 2  # within its interval, the latest snapshot is sent again
+    cost[0] = 0.01
+    now[0] += 4.0
+    stream.next_event()
+    assert stream.interval == 0.5 and stream.feed.built == 3
+
+
+def test_the_streams_of_one_user_share_one_feed():
+    """However many consoles a user opens, one snapshot is built and encoded per interval."""
+    api = ManagementApi(Broker())
+    api.handle("PUT", b"/api/queues/q")
+    a, b, c = (api.handle("GET", b"/api/events", user=user) for user in ("alice", "alice", "bob"))
+    assert a.feed is b.feed and a.feed is not c.feed
+    now = [0.0]
+    a.feed.clock = lambda: now[0]
+    first = a.next_event()
+    assert b.next_event() == first  # both first events: each with the reconnection delay
+    assert a.next_event() == b.next_event() == first.removeprefix(b"retry: 2000\n")
+    assert a.feed.built == 1
+    now[0] += 0.5
+    a.next_event()
+    assert a.feed.built == 2
+    del a, b, c
+    assert len(api._feeds) == 0  # a feed lives as long as a stream uses it
 
 
 def test_the_snapshot_shows_what_the_routes_show_and_an_acl_filters_it_alike():

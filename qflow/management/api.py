@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +60,7 @@ from qflow.broker import Broker
 from qflow.broker.acl import AclDenied, queue_request
 from qflow.broker.queue import Queue
 from qflow.management.console import SECURITY_HEADERS, asset
-from qflow.management.events import EventStream
+from qflow.management.events import EventStream, Feed
 from qflow.management.metrics import CONTENT_TYPE as METRICS_TYPE
 from qflow.management.metrics import render_metrics
 from qflow.management.views import (
@@ -374,6 +375,8 @@ class ManagementApi:
         self.options = dict(options or {})
         self._clock = clock
         self.started_at = clock()
+        # user -> the console feed their streams share, while one of them holds it
+        self._feeds: weakref.WeakValueDictionary[str, Feed] = weakref.WeakValueDictionary()
 
     # -- entry point ----------------------------------------------------------
     def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
@@ -670,10 +673,14 @@ class ManagementApi:
         return Response(200, content, media_type, list(SECURITY_HEADERS))
 
     def events(self, *, query: dict[str, str], body: bytes) -> EventStream:
-        """The console's feed: a snapshot of :meth:`snapshot` for this user every half second."""
+        """The console's feed: a snapshot of :meth:`snapshot` for this user every half second
+        (or less often on a large broker), shared by all this user's streams."""
         self._no_query(query)
         user = self.user
-        return EventStream(lambda: self.snapshot(user), time.monotonic)
+        feed = self._feeds.get(user)
+        if feed is None:
+            feed = self._feeds[user] = Feed(lambda: self.snapshot(user), time.monotonic)
+        return EventStream(feed)
 
     def snapshot(self, user: str) -> dict[str, Any]:
         """What the console shows, as ``user`` may see it: the queues (as /api/queues), the
