@@ -249,17 +249,16 @@ class ManagementServer:
                 ("content-type", EVENTS_TYPE), ("cache-control", "no-store"), ("server", f"qflowd/{__version__}"),
                 ("x-accel-buffering", "no"), ("connection", "close")]))
             if head:
-                data += conn.send(h11.EndOfMessage())
+                with trio.move_on_after(self.timeout):
+                    await stream.send_all(data + conn.send(h11.EndOfMessage()))
+                return
             while True:
-                if not head:
-                    data += conn.send(h11.Data(data=events.next_event()))
+                data += conn.send(h11.Data(data=events.next_event()))
                 with trio.move_on_after(self.timeout) as scope:
                     await stream.send_all(data)
                 if scope.cancelled_caught:
                     log.warning("event stream to %s dropped: an event was not read within %g seconds", peer,
                                 self.timeout)
-                    return
-                if head:
                     return
                 data = b""
                 await trio.sleep(events.interval)
