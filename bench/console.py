@@ -1,8 +1,9 @@
 """What the web console's feed costs the broker: ``make bench-console``.
 
 1. The snapshot alone, in process: the time one event (GET /api/events)
-   takes to build for a broker of N queues, and the interval its feed then
-   keeps (qflow.management.events: at least 20 times that cost, 0.5 s at least).
+   takes to build for a broker of N queues, its longest step (the longest the
+   broker serves nobody else while building it), and the interval its feed
+   then keeps (qflow.management.events: at least 20 times that cost, 0.5 s at least).
 2. End to end: one producer and one consumer through one queue
    (bench/run.py's clients, three processes over loopback), with no console
    and with ``--streams`` consoles reading the feed, on a broker that has
@@ -41,13 +42,26 @@ def snapshot_cost(queues: int, reps: int = 5) -> dict:
     api = ManagementApi(broker)
     for i in range(queues):
         broker.declare_queue(f"queue-{i:05d}")
-    times, size, feed = [], 0, None
+    times, longest, size, feed = [], [], 0, None
     for _ in range(reps):  # a fresh feed each time: a feed sends its latest snapshot again within its interval
-        feed = Feed(lambda: api.snapshot("anonymous"), time.monotonic)
-        t0 = time.perf_counter()
-        size = len(feed.latest())
-        times.append(time.perf_counter() - t0)
-    return {"queues": queues, "event_ms": round(statistics.median(times) * 1000, 2), "event_bytes": size,
+        feed = Feed(lambda: api.snapshot_steps("anonymous"), time.monotonic)
+        steps = feed.latest_steps()
+        total = worst = 0.0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                next(steps)
+            except StopIteration as stop:
+                size = len(stop.value)
+                break
+            finally:
+                took = time.perf_counter() - t0
+                total += took
+                worst = max(worst, took)
+        times.append(total)
+        longest.append(worst)
+    return {"queues": queues, "event_ms": round(statistics.median(times) * 1000, 2),
+            "longest_step_ms": round(statistics.median(longest) * 1000, 2), "event_bytes": size,
             "interval_s": round(feed.interval, 2)}
 
 

@@ -42,6 +42,7 @@ from playwright.sync_api import expect, sync_playwright
 from qflow.broker import Broker
 from qflow.broker.acl import parse
 from qflow.management import ManagementApi, ManagementServer
+from qflow.management.api import SNAPSHOT_STEP
 from qflow.management.console import ASSETS
 from qflow.management.events import EventStream, Feed
 from qflow.testing import Daemon, chromium
@@ -441,6 +442,14 @@ async def test_a_client_that_stops_reading_costs_one_event_and_is_dropped(autoju
 # -- units: the feed, the page's files --------------------------------------------------------------
 
 
+def in_steps(snapshot: Any) -> Any:
+    """A snapshot function as the feed takes it: its queues in one step, then the rest."""
+    def steps() -> Any:
+        yield snapshot()["queues"]
+        return {"time": "2026-01-01T00:00:00.000Z", "user": "u", "broker": None, "connections": []}
+    return steps
+
+
 def test_rates_are_counters_between_two_snapshots_of_the_stream():
     now = [100.0]
     counts = {"enq": 0, "deq": 0, "incarnation": "a"}
@@ -449,7 +458,7 @@ def test_rates_are_counters_between_two_snapshots_of_the_stream():
         return {"queues": [{"name": "q", "incarnation": counts["incarnation"], "msgTotalEnqueues": counts["enq"],
                             "msgTotalDequeues": counts["deq"]}]}
 
-    stream = EventStream(Feed(snapshot, lambda: now[0]))
+    stream = EventStream(Feed(in_steps(snapshot), lambda: now[0]))
     first = stream.next_event()
     assert first.startswith(b"retry: 2000\nevent: snapshot\ndata: ") and first.endswith(b"\n\n")
     assert first.count(b"\n") == 4  # one data line
@@ -482,7 +491,7 @@ def test_a_stream_waits_longer_when_its_snapshots_are_costly():
         now[0] += cost[0]  # building it takes this long
         return {"queues": []}
 
-    stream = EventStream(Feed(snapshot, lambda: now[0]))
+    stream = EventStream(Feed(in_steps(snapshot), lambda: now[0]))
     stream.next_event()
     assert stream.interval == 0.5  # cheap: every half second
     cost[0] = 0.2
@@ -496,6 +505,37 @@ def test_a_stream_waits_longer_when_its_snapshots_are_costly():
     now[0] += 4.0
     stream.next_event()
     assert stream.interval == 0.5 and stream.feed.built == 3
+
+
+def test_a_snapshot_is_built_in_steps_and_leaves_out_a_queue_deleted_meanwhile():
+    """So a broker of many queues serves everyone else between two steps (http.py checkpoints there)."""
+    broker = Broker()
+    api = ManagementApi(broker)
+    for i in range(2 * SNAPSHOT_STEP + 10):
+        broker.declare_queue(f"q{i:05d}")
+    steps = api.snapshot_steps("anonymous")
+    first = next(steps)
+    assert len(first) == SNAPSHOT_STEP and first[0]["name"] == "q00000"
+    broker.delete_queue(f"q{SNAPSHOT_STEP:05d}")  # between two steps, as another request may
+    second = next(steps)
+    assert len(second) == SNAPSHOT_STEP - 1 and second[0]["name"] == f"q{SNAPSHOT_STEP + 1:05d}"
+    assert len(next(steps)) == 10
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    assert done.value.value["broker"]["totals"]["msgDepth"] == 0 and done.value.value["user"] == "anonymous"
+    # The event a stream sends is that whole snapshot, one JSON object.
+    steps = api.handle("GET", b"/api/events").next_event_steps()
+    yielded = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            event = stop.value
+            break
+        yielded += 1
+    assert yielded == 3
+    sent = snapshots(event)[0]
+    assert len(sent["queues"]) == 2 * SNAPSHOT_STEP + 9 and sent["broker"]["totals"]["queues"] == 2 * SNAPSHOT_STEP + 9
 
 
 def test_the_streams_of_one_user_share_one_feed():

@@ -253,7 +253,15 @@ class ManagementServer:
                     await stream.send_all(data + conn.send(h11.EndOfMessage()))
                 return
             while True:
-                data += conn.send(h11.Data(data=events.next_event()))
+                steps = events.next_event_steps()
+                while True:  # a large broker's snapshot is built in steps: others are served between two
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        event: bytes = stop.value
+                        break
+                    await trio.lowlevel.checkpoint()
+                data += conn.send(h11.Data(data=event))
                 with trio.move_on_after(self.timeout) as scope:
                     await stream.send_all(data)
                 if scope.cancelled_caught:
