@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 5672
 MGMT_PORT ?= 8672
 
-.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store bench-spark soak clean
+.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,17 @@ STORE_ARGS ?= --probe
 bench-store: $(STAMP)
 	$(PY) -m pip install --quiet 'lmdb>=1.4' 'crc32c>=2.3'
 	$(PY) bench/store_engines.py $(STORE_ARGS)
+
+# What the console's feed costs (bench/console.py): a snapshot's build time by queue count, and a
+# producer/consumer pair's throughput with and without 4 consoles open. Options: CONSOLE_ARGS=--quick
+CONSOLE_ARGS ?=
+bench-console: $(STAMP)
+	$(PY) bench/console.py $(CONSOLE_ARGS)
+
+# docs/console.png, the web console with a queue flow-stopped (tools/console_screenshot.py: its own qflowd,
+# the README's producer, headless Chromium). Not part of make test: the tests never write into the checkout.
+console-screenshot: $(STAMP) | $(CHROMIUM)
+	$(PY) tools/console_screenshot.py docs/console.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info qflow/_accounting_native*.so qflow/_transfers_native*.so

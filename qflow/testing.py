@@ -135,6 +135,23 @@ def _start(args: tuple[str, ...], env: dict[str, str] | None, log: str | None, t
     return Daemon(proc, int(fields["port"]), int(fields["mgmt-port"]), log, own_data_dir, ssl_port)
 
 
+# Debian's chromium (the Makefile installs it); Playwright's own browser download is never used.
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
+def chromium(playwright: Any, profile: str, *args: str, timeout: float = 90.0, **options: Any) -> Any:
+    """A headless Chromium (Playwright's persistent context over the system
+    browser, in the directory ``profile``), for the browser tests and
+    tools/console_screenshot.py. ``args``: more command-line flags;
+    ``options``: more of ``launch_persistent_context``'s (``http_credentials``,
+    ``viewport``). ``timeout`` in seconds: room for a loaded machine."""
+    return playwright.chromium.launch_persistent_context(
+        profile, executable_path=CHROMIUM, headless=True, args=[*CHROMIUM_ARGS, *args], timeout=timeout * 1000,
+        **options)
+
+
 def _limit_address_space(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 

@@ -32,14 +32,13 @@ from typing import Any
 import pytest
 from playwright.sync_api import sync_playwright
 
-from qflow.testing import Daemon
+from qflow.testing import Daemon, chromium
 from tests.conftest import start_qflowd
 from tests.test_tools import config, ok, run
 
 # The browser and HTTP do not depend on the accounting implementation: run once.
 pytestmark = pytest.mark.native_only
 
-CHROMIUM = "/usr/bin/chromium"
 DEADLINE = 90.0  # seconds: a browser starting on a loaded two-core machine
 VICTIMS = ("victim1", "victim2", "victim3", "rebound")
 MESSAGES = 3
@@ -174,12 +173,8 @@ def test_a_foreign_page_in_chromium_cannot_drive_the_management_api(
     evil_url = f"http://127.0.0.1:{evil_server.server_address[1]}/"
 
     with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--host-resolver-rules=MAP evil.example 127.0.0.1"],
-            timeout=DEADLINE * 1000)
+        browser = chromium(p, str(tmp_path / "profile"), "--host-resolver-rules=MAP evil.example 127.0.0.1",
+                           timeout=DEADLINE)
         try:
             page = browser.new_page()
             page.goto(evil_url, timeout=DEADLINE * 1000)

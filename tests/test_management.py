@@ -282,7 +282,7 @@ async def test_broker_view(mgmt: Mgmt) -> None:
     assert b["options"]["defaultQueueLimit"] == FlowDefaults().queue_limit
     assert b["options"]["accounting"] in ("native", "python")
     assert b["totals"]["queues"] == 1
-    status, index = await mgmt.request("GET", "/")
+    status, index = await mgmt.request("GET", "/api")
     assert status == 200 and any("/api/queues" in e for e in index["endpoints"])
 
 

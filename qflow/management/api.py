@@ -17,7 +17,9 @@ is addressable, ``/`` as ``%2F``)::
     GET    /api/queues                 GET|PUT|PATCH|DELETE /api/queues/{name}
     POST   /api/queues/{name}/purge    GET /api/exchanges    GET|PUT|DELETE /api/exchanges/{name}
     GET|POST|DELETE /api/bindings      GET /api/connections  GET /api/broker    GET /metrics
-    POST   /api/acl/reload
+    POST   /api/acl/reload             GET /api (this list)
+    GET    /  and  /console/{file}     the web console (qflow.management.console)
+    GET    /api/events                 the console's live feed: server-sent events (qflow.management.events)
 
 With an ACL (--acl-file), every request is checked as the client command
 that does the same would be, for the user of its HTTP Basic credentials
@@ -26,7 +28,9 @@ lists show only what the user may access), PUT ``create``, PATCH ``update``,
 DELETE ``delete``, purge ``purge``, POST/DELETE of a binding
 ``bind``/``unbind``, GET /api/broker and /metrics ``access broker``, and the
 reload ``update broker``. /api/connections shows other users' connections
-only to a user allowed ``access broker``. A denial is a 403.
+only to a user allowed ``access broker``. A denial is a 403. The console's
+page and files are the same for everyone (no data in them); its event
+stream is filtered as the routes it mirrors are, snapshot by snapshot.
 
 Errors are ``{"error": "..."}`` with a 4xx status: 400 bad input, 404 missing,
 405 wrong method, 409 conflict (a broker precondition, a lock, a declare that
@@ -42,7 +46,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote_to_bytes, urlsplit
@@ -54,6 +59,8 @@ from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.acl import AclDenied, queue_request
 from qflow.broker.queue import Queue
+from qflow.management.console import SECURITY_HEADERS, asset
+from qflow.management.events import EventStream, Feed
 from qflow.management.metrics import CONTENT_TYPE as METRICS_TYPE
 from qflow.management.metrics import render_metrics
 from qflow.management.views import (
@@ -62,6 +69,7 @@ from qflow.management.views import (
     connection_views,
     exchange_view,
     exchange_views,
+    iso,
     jsonable,
     queue_view,
     queue_views,
@@ -75,6 +83,9 @@ log = logging.getLogger("qflow.management")
 LOG_LEVELS = ("debug", "info", "warning", "error")  # as qflowd --log-level names them
 
 MAX_QUERY_FIELDS = 16
+# Queues viewed in one step of a console snapshot (events.Feed): about 12 ms of the broker's
+# time each; everyone else is served between two.
+SNAPSHOT_STEP = 500
 MAX_JSON_DEPTH = 32
 
 # Broker command errors as HTTP statuses. 405 (locked), 406 (precondition
@@ -276,8 +287,10 @@ _ROUTES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("GET", ("api", "broker", "log-level"), "get_log_level"),
     ("PUT", ("api", "broker", "log-level"), "put_log_level"),
     ("GET", ("metrics",), "metrics"),
+    ("GET", ("api", "events"), "events"),
     ("GET", ("api",), "index"),
-    ("GET", (), "index"),
+    ("GET", (), "console"),
+    ("GET", ("console", "{}"), "console_asset"),
 )
 
 
@@ -365,12 +378,15 @@ class ManagementApi:
         self.options = dict(options or {})
         self._clock = clock
         self.started_at = clock()
+        # user -> the console feed their streams share, while one of them holds it
+        self._feeds: weakref.WeakValueDictionary[str, Feed] = weakref.WeakValueDictionary()
 
     # -- entry point ----------------------------------------------------------
     def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-               peer: str = "") -> Response:
+               peer: str = "") -> Response | EventStream:
         """Answer one request of ``user`` (checked against the ACL, if any).
-        Never raises: refusals become 4xx responses. A change (any method but
+        Never raises: refusals become 4xx responses. ``GET /api/events`` is
+        answered with an EventStream, whose events the server writes. A change (any method but
         GET and HEAD) is logged at info with who asked (``peer``, the HTTP
         client's address, and ``user``) and whether it was made or refused."""
         response = self.handle_in_steps(method, target, body, user, peer)
@@ -379,7 +395,7 @@ class ManagementApi:
         return response
 
     def handle_in_steps(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-                        peer: str = "") -> Response | Pending:
+                        peer: str = "") -> Response | Pending | EventStream:
         """As :meth:`handle`, but a purge or delete of a deep queue gives a
         :class:`Pending` whose steps the server runs, serving others between;
         the change is logged once its response is known."""
@@ -405,7 +421,7 @@ class ManagementApi:
                      printable(target.decode("ascii", "backslashreplace")[:300]), outcome, response.status,
                      f": {printable(detail[:300])}" if detail else "")
 
-    def _handle(self, method: str, target: bytes, body: bytes) -> Response | Pending:
+    def _handle(self, method: str, target: bytes, body: bytes) -> Response | Pending | EventStream:
         try:
             segments, query = _split_target(target)
             methods, params = _match(segments)
@@ -645,6 +661,74 @@ class ManagementApi:
                 seen.setdefault("/" + "/".join("{name}" if s == "{}" else s for s in pattern), []).append(method)
         return json_response(200, {"name": "qflowd", "version": __version__,
                                    "endpoints": [f"{' '.join(m)} {p}" for p, m in seen.items()]})
+
+    # -- the web console ------------------------------------------------------------
+    def console(self, *, query: dict[str, str], body: bytes) -> Response:
+        self._no_query(query)
+        return self.console_asset("index.html", query=query, body=body)
+
+    def console_asset(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        self._no_query(query)
+        found = asset(name)
+        if found is None:
+            raise ApiError(404, f"no such console file: {name[:100]!r}")
+        content, media_type = found
+        return Response(200, content, media_type, list(SECURITY_HEADERS))
+
+    def events(self, *, query: dict[str, str], body: bytes) -> EventStream:
+        """The console's feed: a snapshot of :meth:`snapshot` for this user every half second
+        (or less often on a large broker), shared by all this user's streams."""
+        self._no_query(query)
+        user = self.user
+        feed = self._feeds.get(user)
+        if feed is None:
+            feed = self._feeds[user] = Feed(lambda: self.snapshot_steps(user), time.monotonic)
+        return EventStream(feed)
+
+    def snapshot(self, user: str) -> dict[str, Any]:
+        """:meth:`snapshot_steps` all at once, as one dict."""
+        steps = self.snapshot_steps(user)
+        queues: list[dict[str, Any]] = []
+        while True:
+            try:
+                queues.extend(next(steps))
+            except StopIteration as stop:
+                return {**stop.value, "queues": queues}
+
+    def snapshot_steps(self, user: str) -> Generator[list[dict[str, Any]], None, dict[str, Any]]:
+        """What the console shows, as ``user`` may see it, in steps: yields the queues'
+        views (as /api/queues) SNAPSHOT_STEP queues at a time, then returns the
+        connections (as /api/connections) and, if allowed ``access broker``, the broker's
+        version, uptime and totals (as /api/broker), with the time and the user. Others
+        may be served between two steps: a queue deleted meanwhile is left out."""
+        names = sorted(self.broker.queues)
+        self.user = user
+        may_see_broker = self._may("access", "broker", {})
+        acl = self.broker.acl is not None
+        everything: list[dict[str, Any]] = []  # every queue's view, for the broker's totals
+        for first in range(0, len(names), SNAPSHOT_STEP):
+            self.user = user  # another request may have run since the last step
+            shown = []
+            for name in names[first:first + SNAPSHOT_STEP]:
+                q = self.broker.queues.get(name)
+                if q is None:
+                    continue
+                visible = not acl or self._may("access", "queue", {"name": name})
+                if visible or may_see_broker:
+                    view = queue_view(self.broker, q)
+                    everything.append(view)
+                    if visible:
+                        shown.append(view)
+            yield shown
+        self.user = user
+        connections = connection_views(self.broker, self.server, self._clock(), _trio_now())
+        broker = None
+        if may_see_broker:
+            full = self.broker_view(everything)
+            broker = {key: full[key] for key in ("name", "version", "startedAt", "uptimeSeconds", "totals")}
+        else:
+            connections = [v for v in connections if v["user"] == user]
+        return {"time": iso(self._clock()), "user": user, "broker": broker, "connections": connections}
 
     def metrics(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)

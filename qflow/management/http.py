@@ -5,7 +5,9 @@ routes mean: one task per connection, keep-alive and pipelining, bounded
 request line, head, header count and body, a deadline for each request
 (slowloris), a bounded number of connections in all and per client (peer
 address), and a response for whatever the client got wrong. The API it serves is sans-I/O (``api.ManagementApi``):
-this module hands it (method, target, body) and writes back its Response.
+this module hands it (method, target, body) and writes back its Response,
+or, for the web console's ``GET /api/events``, the events of its
+EventStream (qflow.management.events) for as long as the client reads them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import trio
 
 from qflow import __version__
 from qflow.management.api import ManagementApi, Pending, Response, error_response
+from qflow.management.events import CONTENT_TYPE as EVENTS_TYPE
+from qflow.management.events import EventStream
 from qflow.management.guard import RequestGuard
 from qflow.protocol.framing import PROTOCOL_HEADER
 from qflow.protocol.names import printable
@@ -38,6 +42,12 @@ MAX_CONNECTIONS = 64
 # requests open, renewed as they time out, takes at most these slots, never them all
 # (issue 17). Its next one is answered 429, as RabbitMQ's and nginx's per-client limits do.
 MAX_PER_CLIENT = 8
+# Event streams (the web console's GET /api/events) are long-lived connections, counted in the
+# limits above like any other, and limited again so they can never take a client's or the server's
+# every slot: half a client's (4 console tabs) leaves it 4 connections for its tools and the
+# console's own actions, and a quarter of all leaves 48 for everyone else.
+MAX_STREAMS = 16
+MAX_STREAMS_PER_CLIENT = 4
 READ_SIZE = 64 * 1024
 WRONG_PORT_HINT = ("this is qflowd's management HTTP port, not its messaging port: give the broker's "
                    "address (port 5672 by default)")
@@ -104,6 +114,12 @@ class ManagementServer:
     (413) are refused without reading further; at most ``max_connections``
     at once (503 beyond), and at most ``max_per_client`` from one peer
     address (429 beyond). A faulty request closes its own connection only.
+    An event stream is exempt from the request deadline once it has begun,
+    for as long as its client reads: each event must be written within
+    ``timeout`` (a client that stops reading is dropped, and the next event
+    is built only once the last is written, so a stalled client costs one
+    event's memory at most); at most ``max_streams`` streams at once (503
+    beyond) and ``max_streams_per_client`` from one address (429 beyond).
     Before any route runs, and whatever the authentication setting, ``guard``
     (qflow.management.guard) refuses requests a web page could have sent: a
     foreign Host (421), a foreign Origin (403) or a state-changing request
@@ -113,6 +129,7 @@ class ManagementServer:
 
     def __init__(self, api: ManagementApi, *, timeout: float = DEFAULT_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, max_per_client: int = MAX_PER_CLIENT,
+                 max_streams: int = MAX_STREAMS, max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
                  authenticate: Authenticate | None = None, guard: RequestGuard | None = None,
                  serve_listeners: ServeListeners | None = None) -> None:
         """``authenticate``: every request needs HTTP Basic credentials it accepts (401 without).
@@ -129,6 +146,10 @@ class ManagementServer:
         self.active = 0
         self._serve_listeners = serve_listeners or trio.serve_listeners
         self.per_client: dict[str, int] = {}  # peer address -> its connections now
+        self.max_streams = max_streams
+        self.max_streams_per_client = max_streams_per_client
+        self.streams = 0
+        self.streams_per_client: dict[str, int] = {}  # peer address -> its event streams now
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -155,7 +176,7 @@ class ManagementServer:
             self.active += 1
             self.per_client[client] = mine + 1
             try:
-                await self._connection(stream)
+                await self._connection(stream, client)
             finally:
                 self.active -= 1
                 left = self.per_client[client] - 1
@@ -170,7 +191,7 @@ class ManagementServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, stream: trio.SocketStream, client: str) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         local, peer = _addresses(stream)
         while True:
@@ -198,11 +219,64 @@ class ManagementServer:
             while type(response) is Pending:  # a purge or delete of a deep queue: others are served between steps
                 await trio.lowlevel.checkpoint()
                 response = response.step() or response
+            if type(response) is EventStream:
+                await self._stream(conn, stream, response, client, peer, head=method == "HEAD")
+                return  # a stream ends its connection
             with trio.move_on_after(self.timeout) as scope:
                 await self._respond(conn, stream, response, head=method == "HEAD")
             if scope.cancelled_caught or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             conn.start_next_cycle()
+
+    async def _stream(self, conn: h11.Connection, stream: trio.SocketStream, events: EventStream, client: str,
+                      peer: str, *, head: bool) -> None:
+        """Write ``events`` until the client goes away or stops reading, within the stream limits."""
+        mine = self.streams_per_client.get(client, 0)
+        refusal = None
+        if mine >= self.max_streams_per_client:
+            refusal = error_response(429, f"too many event streams from {client}: {mine}, the limit per client "
+                                          f"is {self.max_streams_per_client}")
+        elif self.streams >= self.max_streams:
+            refusal = error_response(503, f"too many event streams: {self.streams}, the limit is {self.max_streams}")
+        if refusal is not None:
+            with trio.move_on_after(self.timeout):
+                await self._respond(conn, stream, refusal, close=True, head=head)
+            return
+        self.streams += 1
+        self.streams_per_client[client] = mine + 1
+        try:
+            data = conn.send(h11.Response(status_code=200, reason=b"OK", headers=[
+                ("content-type", EVENTS_TYPE), ("cache-control", "no-store"), ("server", f"qflowd/{__version__}"),
+                ("x-accel-buffering", "no"), ("connection", "close")]))
+            if head:
+                with trio.move_on_after(self.timeout):
+                    await stream.send_all(data + conn.send(h11.EndOfMessage()))
+                return
+            while True:
+                steps = events.next_event_steps()
+                while True:  # a large broker's snapshot is built in steps: others are served between two
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        event: bytes = stop.value
+                        break
+                    await trio.lowlevel.checkpoint()
+                data += conn.send(h11.Data(data=event))
+                with trio.move_on_after(self.timeout) as scope:
+                    await stream.send_all(data)
+                if scope.cancelled_caught:
+                    log.warning("event stream to %s dropped: an event was not read within %g seconds", peer,
+                                self.timeout)
+                    return
+                data = b""
+                await trio.sleep(events.interval)
+        finally:
+            self.streams -= 1
+            left = self.streams_per_client[client] - 1
+            if left:
+                self.streams_per_client[client] = left
+            else:
+                del self.streams_per_client[client]
 
     async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream, received: list[bool],
                             local: str | None, peer: str
