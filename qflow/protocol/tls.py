@@ -1,0 +1,38 @@
+"""What TLS tells about a peer, for the glue of either role: the name a
+verified client certificate gives its user (SASL EXTERNAL), and why a
+handshake failed, in one line for a log or a tool's error. No I/O: these
+read what ``ssl`` already established.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+
+def certificate_name(cert: dict[str, Any] | None) -> str | None:
+    """The user a verified TLS client certificate names: its subject's common
+    name (CN), as qpidd takes it (the first CN, in ``SSLSocket.getpeercert()``'s
+    form). None when there is no certificate, no CN, or a CN no user may have
+    (empty, or with control characters: it would be written into the log)."""
+    if not cert:
+        return None
+    names = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    if not names or not names[0] or not names[0].isprintable():
+        return None
+    return names[0]
+
+
+def handshake_failure(exc: BaseException) -> str:
+    """Why a TLS handshake failed, in one line: the certificate check's own
+    words when that failed ("certificate verify failed: Hostname mismatch,
+    ..."), else OpenSSL's reason ("peer did not return a certificate"). ``exc``
+    is the ssl error, or the error trio wrapped it in."""
+    cause = exc if isinstance(exc, ssl.SSLError) else exc.__cause__
+    if isinstance(cause, ssl.SSLCertVerificationError) and cause.verify_message:
+        return f"certificate verify failed: {cause.verify_message}"
+    if isinstance(cause, ssl.SSLError) and cause.reason:
+        return cause.reason.replace("_", " ").lower()
+    if cause is not None:
+        return str(cause) or type(cause).__name__
+    return str(exc) or "connection closed during the TLS handshake"
