@@ -48,7 +48,7 @@ from qflow.protocol.connection import (
 from qflow.protocol.entries import EntryError
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingError
 from qflow.protocol.parts import PartJoiner
-from qflow.protocol.tls import handshake_failure
+from qflow.protocol.tls import client_handshake_failure
 
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
 
@@ -72,7 +72,8 @@ def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_fi
 
 
 def _tls_error(host: str, port: int, exc: BaseException) -> TlsError:
-    error = TlsError(P.CONNECTION_FORCED, f"TLS with the broker at {host}:{port} failed: {handshake_failure(exc)}")
+    error = TlsError(P.CONNECTION_FORCED,
+                     f"TLS with the broker at {host}:{port} failed: {client_handshake_failure(exc)}")
     error.__cause__ = exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc
     return error
 

@@ -36,3 +36,14 @@ def handshake_failure(exc: BaseException) -> str:
     if cause is not None:
         return str(cause) or type(cause).__name__
     return str(exc) or "connection closed during the TLS handshake"
+
+
+def client_handshake_failure(exc: BaseException) -> str:
+    """:func:`handshake_failure` as a client says it. A broker that refuses
+    this client's certificate (or its lack of one) may close the TLS session
+    without a word: say what that usually means."""
+    reason = handshake_failure(exc)
+    if "eof" in reason or "certificate required" in reason:
+        reason += (" (the broker ended the TLS session: it requires a client certificate signed by a CA it "
+                   "trusts, and none or another was presented)")
+    return reason

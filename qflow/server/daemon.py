@@ -182,12 +182,9 @@ async def run(args: argparse.Namespace) -> None:
     if args.ssl_cert_file:
         tls = server_ssl_context(args.ssl_cert_file, args.ssl_key_file, args.ssl_ca_file,
                                  args.ssl_require_client_auth)
-        log.info("TLS: certificate %s; client certificates %s", args.ssl_cert_file,
-                 "required, " if args.ssl_require_client_auth else
-                 "optional, " if args.ssl_ca_file else "not asked for")
-        if args.ssl_ca_file:
-            log.info("TLS: client certificates signed by a CA of %s are verified; their CN is the user (EXTERNAL)",
-                     args.ssl_ca_file)
+        log.info("TLS: certificate %s; client certificates: %s", args.ssl_cert_file,
+                 f"required, signed by a CA of {args.ssl_ca_file}" if args.ssl_require_client_auth else
+                 f"optional, signed by a CA of {args.ssl_ca_file}" if args.ssl_ca_file else "not asked for")
     server = Server(broker, args.max_frame_size, users, args.limits)
     with ExitStack() as resources:
         data_dir = None
