@@ -217,7 +217,7 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
     protocol's own sans-I/O state machine (over TLS for amqps://, with the
     TLS options of ``args``), closed at once."""
     from qflow.protocol import spec as P
-    from qflow.protocol.connection import ConnectionEnd, Opened, ProtocolConnection, Role
+    from qflow.protocol.connection import _EOF_TEXT, ConnectionEnd, Opened, ProtocolConnection, Role
     from qflow.protocol.framing import FramingError
 
     address = f"{url.host}:{url.port}"
@@ -260,6 +260,11 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
                                             "give it with --mgmt-url HOST:PORT")
                         return MgmtUrl(url.host, port, scheme)
         except ConnectionEnd as exc:
+            if context is not None and exc.text == _EOF_TEXT[Role.CLIENT]:  # no close frame: TLS ended
+                from qflow.protocol.tls import PEER_ENDED_HINT
+
+                raise ToolError(f"TLS with the broker at {address} failed: connection closed ({PEER_ENDED_HINT})") \
+                    from None
             raise ToolError(f"the broker at {address} refused the connection: {exc.text}") from None
         except ssl.SSLError as exc:  # TLS 1.3: the broker refuses this client's certificate after the handshake
             raise _tls_failure(f"the broker at {address}", exc) from None
@@ -355,6 +360,7 @@ class Management:
         """``username`` and ``password``: sent as HTTP Basic (a broker with ``--auth yes`` needs them);
         ``ssl_context``: https (the broker's certificate and host name verified with it)."""
         self.address = f"{host}:{port}"
+        self._https = ssl_context is not None
         self._conn: http.client.HTTPConnection = (
             http.client.HTTPConnection(host, port, timeout=timeout) if ssl_context is None
             else http.client.HTTPSConnection(host, port, timeout=timeout, context=ssl_context))
@@ -383,6 +389,11 @@ class Management:
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 # The server closed an idle keep-alive connection: one fresh try.
                 self._conn.close()
+                if attempt == 2 and self._https:
+                    from qflow.protocol.tls import PEER_ENDED_HINT
+
+                    raise ToolError(f"TLS with the broker's management API at {self.address} failed: connection "
+                                    f"closed ({PEER_ENDED_HINT})") from None
                 if attempt == 2:
                     raise ToolError(f"management connection to {self.address} closed unexpectedly (if the "
                                     "broker serves https there, say --mgmt-url https://...)") from None

@@ -10,6 +10,11 @@ import ssl
 from typing import Any
 
 
+# What a TLS session the broker ends before the connection opens usually means.
+PEER_ENDED_HINT = ("the broker ended the TLS session: it requires a client certificate signed by a CA it trusts, "
+                   "and none or another was presented")
+
+
 def certificate_name(cert: dict[str, Any] | None) -> str | None:
     """The user a verified TLS client certificate names: its subject's common
     name (CN), as qpidd takes it (the first CN, in ``SSLSocket.getpeercert()``'s
@@ -44,6 +49,5 @@ def client_handshake_failure(exc: BaseException) -> str:
     without a word: say what that usually means."""
     reason = handshake_failure(exc)
     if "eof" in reason or "certificate required" in reason:
-        reason += (" (the broker ended the TLS session: it requires a client certificate signed by a CA it "
-                   "trusts, and none or another was presented)")
+        reason += f" ({PEER_ENDED_HINT})"
     return reason
