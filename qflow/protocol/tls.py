@@ -9,7 +9,6 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
-
 # What a TLS session the broker ends before the connection opens usually means.
 PEER_ENDED_HINT = ("the broker ended the TLS session: it requires a client certificate signed by a CA it trusts, "
                    "and none or another was presented")
