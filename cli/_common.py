@@ -202,7 +202,7 @@ def connect_options(args: argparse.Namespace, url: BrokerUrl) -> dict[str, Any]:
     return options
 
 
-def _tls_failure(what: str, exc: ssl.SSLError) -> ToolError:
+def _tls_failure(what: str, exc: OSError) -> ToolError:
     from qflow.protocol.tls import client_handshake_failure
 
     return ToolError(f"TLS with {what} failed: {client_handshake_failure(exc)}")
@@ -268,6 +268,10 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
             raise ToolError(f"the broker at {address} refused the connection: {exc.text}") from None
         except ssl.SSLError as exc:  # TLS 1.3: the broker refuses this client's certificate after the handshake
             raise _tls_failure(f"the broker at {address}", exc) from None
+        except ConnectionResetError as exc:
+            if context is not None:  # the same refusal, when the broker closed with our open unread
+                raise _tls_failure(f"the broker at {address}", exc) from None
+            raise ToolError(f"cannot reach the broker at {address}: {exc.strerror or exc}") from None
         except FramingError as exc:
             raise ToolError(f"{address} does not speak qflow's protocol ({exc}); -b takes the broker's "
                             "messaging address (port 5672 by default)") from None

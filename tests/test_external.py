@@ -106,3 +106,9 @@ def test_handshake_failures_are_one_line():
     assert handshake_failure(eof) == "unexpected eof while reading"
     assert client_handshake_failure(eof).startswith("unexpected eof while reading (the broker ended the TLS session: "
                                                     "it requires a client certificate")
+    # With the client's open unread, the broker's close may arrive as a reset instead: the same hint.
+    reset = RuntimeError("socket connection broken")
+    reset.__cause__ = ConnectionResetError(104, "Connection reset by peer")
+    assert client_handshake_failure(reset) == ("[Errno 104] Connection reset by peer (the broker ended the TLS "
+                                               "session: it requires a client certificate signed by a CA it "
+                                               "trusts, and none or another was presented)")

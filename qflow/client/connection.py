@@ -372,9 +372,11 @@ class Connection:
             self._shutdown(ConnectionClosed(end.code, end.text))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             protocol.connection_lost()
-            if not self._opened.is_set() and isinstance(exc.__cause__, ssl.SSLError):
+            if not self._opened.is_set() and isinstance(self.stream, trio.SSLStream) and \
+                    isinstance(exc, trio.BrokenResourceError):
                 # TLS 1.3: the broker checks this client's certificate after the client's handshake is done,
-                # so its refusal arrives as the first read fails.
+                # so its refusal arrives as the first read fails (its alert, or a reset if the broker closed
+                # with our open unread).
                 self._shutdown(_tls_error(*self.address, exc))
             else:
                 self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))

@@ -47,6 +47,7 @@ def client_handshake_failure(exc: BaseException) -> str:
     this client's certificate (or its lack of one) may close the TLS session
     without a word: say what that usually means."""
     reason = handshake_failure(exc)
-    if "eof" in reason or "certificate required" in reason:
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    if "eof" in reason or "certificate required" in reason or isinstance(cause, ConnectionResetError):
         reason += f" ({PEER_ENDED_HINT})"
     return reason
