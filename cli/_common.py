@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ from urllib.parse import quote
 
 DEFAULT_MGMT_PORT = 8672
 DEFAULT_BROKER = "localhost:5672"
+DEFAULT_TLS_PORT = 5671  # amqps://, as Qpid's and RabbitMQ's
 
 
 class ToolError(Exception):
@@ -29,12 +31,13 @@ class ToolError(Exception):
 
 
 class BrokerUrl(NamedTuple):
-    """A broker address as Qpid writes it: ``[USER/PASSWORD@]HOST[:PORT]``."""
+    """A broker address as Qpid writes it: ``[amqps://][USER/PASSWORD@]HOST[:PORT]``."""
 
     host: str
     port: int
     username: str | None = None
     password: str | None = None
+    tls: bool = False  # amqps://: the broker's TLS port (qflowd --ssl-port)
 
     @property
     def credentials(self) -> dict[str, Any]:
@@ -42,7 +45,7 @@ class BrokerUrl(NamedTuple):
         return {} if self.username is None else {"username": self.username, "password": self.password}
 
 
-# Schemes a broker address may carry: the plain protocol only (the tools do not speak TLS yet).
+# Schemes a broker address may carry: the plain protocol, or TLS (Qpid's amqps:// and its older ssl:).
 _PLAIN_SCHEMES = ("amqp", "tcp", "qflow")
 _TLS_SCHEMES = ("amqps", "ssl", "tls", "qflows")
 
@@ -50,18 +53,19 @@ _TLS_SCHEMES = ("amqps", "ssl", "tls", "qflows")
 def parse_url(text: str, default_port: int = 5672) -> BrokerUrl:
     """The one parser of broker addresses, for every tool: Qpid's
     ``[amqp://][USER/PASSWORD@]HOST[:PORT]`` (see :func:`parse_address` for
-    the host forms). The password may hold '/' or '@'; the user name
-    neither. Nothing is silently dropped: a TLS scheme (``amqps://``) is
-    refused, since the tools connect without TLS, and so is any other scheme
-    (``http://`` is the management API's: ``--mgmt-url``)."""
+    the host forms), or ``amqps://...`` for TLS (port 5671 unless given).
+    The password may hold '/' or '@'; the user name neither. Nothing is
+    silently dropped: any other scheme is refused (``http://`` is the
+    management API's: ``--mgmt-url``)."""
     text = text.strip()
     m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(?:://|:tcp:|:ssl:)", text)
+    tls = False
     if m:
         scheme = m.group(1).lower()
-        if scheme in _TLS_SCHEMES or text[m.end(1):].lower().startswith(":ssl:"):
-            raise argparse.ArgumentTypeError(f"bad broker address {text!r}: TLS ({scheme}) is not supported by the "
-                                             "tools yet; use HOST:PORT (the broker's plain port)")
-        if scheme not in _PLAIN_SCHEMES:
+        tls = scheme in _TLS_SCHEMES or text[m.end(1):].lower().startswith(":ssl:")
+        if tls:
+            default_port = DEFAULT_TLS_PORT if default_port == 5672 else default_port
+        elif scheme not in _PLAIN_SCHEMES:
             hint = "; the management API's URL goes in --mgmt-url" if scheme.startswith("http") else ""
             raise argparse.ArgumentTypeError(f"bad broker address {text!r}: scheme {scheme!r} is not a broker's "
                                              f"(expected [amqp://][USER/PASSWORD@]HOST[:PORT]){hint}")
@@ -69,12 +73,12 @@ def parse_url(text: str, default_port: int = 5672) -> BrokerUrl:
     userinfo, at, hostport = text.rpartition("@")
     host, port = parse_address(hostport, default_port)
     if not at:
-        return BrokerUrl(host, port)
+        return BrokerUrl(host, port, tls=tls)
     user, slash, password = userinfo.partition("/")
     if not slash or not user:
         raise argparse.ArgumentTypeError(f"bad credentials in broker address: expected USER/PASSWORD@HOST:PORT, "
                                          f"got {userinfo.partition('/')[0]!r}/...@")
-    return BrokerUrl(host, port, user, password)
+    return BrokerUrl(host, port, user, password, tls)
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
@@ -100,37 +104,142 @@ def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int
         raise  # parser.error exits; this keeps type checkers content
 
 
-def mgmt_address(parser: argparse.ArgumentParser, text: str) -> tuple[str, int]:
-    """``--mgmt-url``: ``[http://]HOST:PORT`` of the management API."""
+class MgmtUrl(NamedTuple):
+    """Where the management API is: ``scheme`` http or https."""
+
+    host: str
+    port: int
+    scheme: str = "http"
+
+
+def mgmt_address(parser: argparse.ArgumentParser, text: str) -> MgmtUrl:
+    """``--mgmt-url``: ``[http://|https://]HOST:PORT`` of the management API."""
     m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text.strip())
     rest = text.strip()
+    scheme = "http"
     if m:
-        if m.group(1).lower() != "http":
-            parser.error(f"bad --mgmt-url {text!r}: only http:// is served (qflowd's management API has no TLS)")
+        scheme = m.group(1).lower()
+        if scheme not in ("http", "https"):
+            parser.error(f"bad --mgmt-url {text!r}: the management API is http:// or https://")
         rest = rest[m.end():]
     try:
-        return parse_address(rest, DEFAULT_MGMT_PORT)
+        return MgmtUrl(*parse_address(rest, DEFAULT_MGMT_PORT), scheme)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"bad --mgmt-url: {exc}")
         raise
 
 
-def discover_management(url: BrokerUrl, timeout: float, name: str) -> tuple[str, int]:
+def add_tls_options(p: argparse.ArgumentParser, management: bool = False) -> None:
+    """The TLS and SASL options, with the qpid tools' names (their aliases in
+    qflowd's spelling): the CA that signs the broker's certificate, this
+    client's own certificate and key (mutual TLS), and the mechanism."""
+    where = "the broker's TLS port (amqps://) and https management API" if management else \
+        "the broker's TLS port (amqps://)"
+    p.add_argument("--ssl-trustfile", "--ssl-ca-file", dest="ssl_trustfile", metavar="FILE",
+                   help=f"CA certificates (PEM) that sign {where}'s certificate (default: the system's); its "
+                        "host name is checked against the one in -b")
+    p.add_argument("--ssl-certificate", "--ssl-cert-file", dest="ssl_certificate", metavar="FILE",
+                   help="this client's certificate (PEM), for a broker that asks for one (mutual TLS); without a "
+                        "user in -b, it authenticates as the certificate's name (EXTERNAL)")
+    p.add_argument("--ssl-key", "--ssl-key-file", dest="ssl_key", metavar="FILE",
+                   help="the private key (PEM) of --ssl-certificate, if not in that file")
+    p.add_argument("--sasl-mechanism", choices=("SCRAM-SHA-256", "PLAIN", "EXTERNAL", "ANONYMOUS"), default=None,
+                   metavar="MECH", help="SCRAM-SHA-256 (the default with a user), PLAIN, EXTERNAL (the default with "
+                                        "--ssl-certificate and no user) or ANONYMOUS")
+
+
+def check_tls_options(parser: argparse.ArgumentParser, args: argparse.Namespace, url: BrokerUrl,
+                      management: bool = False) -> None:
+    """Usage errors (exit 2) of the TLS options, before anything is sent."""
+    if args.ssl_key and not args.ssl_certificate:
+        parser.error("--ssl-key needs --ssl-certificate")
+    given = next((name for name, value in (("--ssl-trustfile", args.ssl_trustfile),
+                                           ("--ssl-certificate", args.ssl_certificate)) if value), None)
+    if given and not url.tls and not management:
+        parser.error(f"{given} is for TLS: give the broker's TLS address, amqps://HOST:PORT")
+    mechanism = args.sasl_mechanism
+    if mechanism == "EXTERNAL" and (url.username is not None or not args.ssl_certificate or
+                                    not (url.tls or management)):
+        parser.error("--sasl-mechanism EXTERNAL takes no user in -b, and needs --ssl-certificate and a TLS "
+                     "address (amqps://)")
+    if mechanism in ("SCRAM-SHA-256", "PLAIN") and url.username is None:
+        parser.error(f"--sasl-mechanism {mechanism} needs a user: -b USER/PASSWORD@HOST:PORT")
+    if mechanism == "ANONYMOUS" and url.username is not None:
+        parser.error("--sasl-mechanism ANONYMOUS takes no user in -b")
+
+
+def client_tls(args: argparse.Namespace) -> ssl.SSLContext:
+    """The TLS context of the tool's options (qflow.client.tls_context).
+    Raises ToolError naming the option whose file cannot be used."""
+    from qflow.client.connection import tls_context
+
+    try:
+        context = tls_context(ca_file=args.ssl_trustfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ToolError(f"cannot load --ssl-trustfile {args.ssl_trustfile}: "
+                        f"{getattr(exc, 'strerror', None) or exc}") from None
+    if args.ssl_certificate:
+        try:
+            context.load_cert_chain(args.ssl_certificate, args.ssl_key)
+        except (OSError, ssl.SSLError) as exc:
+            what = f"--ssl-certificate {args.ssl_certificate}" + (f" / --ssl-key {args.ssl_key}"
+                                                                  if args.ssl_key else "")
+            raise ToolError(f"cannot load {what}: {getattr(exc, 'strerror', None) or exc}") from None
+    return context
+
+
+def connect_options(args: argparse.Namespace, url: BrokerUrl) -> dict[str, Any]:
+    """qflow.connect's keyword arguments for ``url`` and the tool's TLS and
+    SASL options: credentials, mechanism, ssl_context. Raises ToolError."""
+    options = dict(url.credentials)
+    mechanism = args.sasl_mechanism
+    if mechanism is None and url.username is None and args.ssl_certificate and url.tls:
+        mechanism = "EXTERNAL"  # as qpid's clients do with a certificate and no user
+    if mechanism is not None:
+        options["mechanism"] = mechanism
+    if url.tls:
+        options["ssl_context"] = client_tls(args)
+    return options
+
+
+def _tls_failure(what: str, exc: OSError) -> ToolError:
+    from qflow.protocol.tls import client_handshake_failure
+
+    return ToolError(f"TLS with {what} failed: {client_handshake_failure(exc)}")
+
+
+def discover_management(url: BrokerUrl, timeout: float, name: str,
+                        args: argparse.Namespace | None = None) -> MgmtUrl:
     """Ask the broker at ``url`` (its messaging port) for its management
-    address: qflowd announces ``management_port`` in ``connection.open-ok``,
-    and the management API listens on the same host. A blocking handshake
-    through the protocol's own sans-I/O state machine, closed at once."""
+    address: qflowd announces ``management_port`` (and ``management_scheme``,
+    https when it serves TLS) in ``connection.open-ok``, and the management
+    API listens on the same host. A blocking handshake through the
+    protocol's own sans-I/O state machine (over TLS for amqps://, with the
+    TLS options of ``args``), closed at once."""
     from qflow.protocol import spec as P
-    from qflow.protocol.connection import ConnectionEnd, Opened, ProtocolConnection, Role
+    from qflow.protocol.connection import _EOF_TEXT, ConnectionEnd, Opened, ProtocolConnection, Role
     from qflow.protocol.framing import FramingError
 
     address = f"{url.host}:{url.port}"
-    protocol = ProtocolConnection(Role.CLIENT, name=name, username=url.username, password=url.password or "")
+    options = connect_options(args, url) if args is not None else dict(url.credentials)
+    context = options.pop("ssl_context", None)
+    protocol = ProtocolConnection(Role.CLIENT, name=name, username=options.get("username"),
+                                  password=options.get("password") or "", mechanism=options.get("mechanism"))
     try:
         sock = socket.create_connection((url.host, url.port), timeout=timeout)
     except OSError as exc:
         reason = "timed out" if isinstance(exc, socket.timeout) else exc.strerror or str(exc)
         raise ToolError(f"cannot reach the broker at {address}: {reason}") from None
+    if context is not None:
+        try:
+            sock = context.wrap_socket(sock, server_hostname=url.host)
+        except ssl.SSLError as exc:
+            sock.close()
+            raise _tls_failure(f"the broker at {address}", exc) from None
+        except OSError as exc:
+            sock.close()
+            reason = "timed out" if isinstance(exc, socket.timeout) else exc.strerror or str(exc)
+            raise ToolError(f"cannot reach the broker at {address}: {reason}") from None
     with sock:
         try:
             sock.sendall(protocol.encoder.take())
@@ -142,15 +251,27 @@ def discover_management(url: BrokerUrl, timeout: float, name: str) -> tuple[str,
                 for frame in protocol.decoder.frames():
                     if isinstance(protocol.receive_control(frame), Opened):
                         port = protocol.peer_properties.get("management_port")
+                        scheme = protocol.peer_properties.get("management_scheme", "http")
                         protocol.close(P.NORMAL, "management address learnt")
                         protocol.write_close()
                         sock.sendall(protocol.encoder.take())
-                        if type(port) is not int or not 0 < port < 65536:
+                        if type(port) is not int or not 0 < port < 65536 or scheme not in ("http", "https"):
                             raise ToolError(f"the broker at {address} did not announce its management port; "
                                             "give it with --mgmt-url HOST:PORT")
-                        return url.host, port
+                        return MgmtUrl(url.host, port, scheme)
         except ConnectionEnd as exc:
+            if context is not None and exc.text == _EOF_TEXT[Role.CLIENT]:  # no close frame: TLS ended
+                from qflow.protocol.tls import PEER_ENDED_HINT
+
+                raise ToolError(f"TLS with the broker at {address} failed: connection closed ({PEER_ENDED_HINT})") \
+                    from None
             raise ToolError(f"the broker at {address} refused the connection: {exc.text}") from None
+        except ssl.SSLError as exc:  # TLS 1.3: the broker refuses this client's certificate after the handshake
+            raise _tls_failure(f"the broker at {address}", exc) from None
+        except ConnectionResetError as exc:
+            if context is not None:  # the same refusal, when the broker closed with our open unread
+                raise _tls_failure(f"the broker at {address}", exc) from None
+            raise ToolError(f"cannot reach the broker at {address}: {exc.strerror or exc}") from None
         except FramingError as exc:
             raise ToolError(f"{address} does not speak qflow's protocol ({exc}); -b takes the broker's "
                             "messaging address (port 5672 by default)") from None
@@ -160,24 +281,27 @@ def discover_management(url: BrokerUrl, timeout: float, name: str) -> tuple[str,
 
 
 def add_address_options(p: argparse.ArgumentParser) -> None:
-    """-b and --mgmt-url, the same on every management tool."""
+    """-b, --mgmt-url and the TLS options, the same on every management tool."""
     p.add_argument("-b", "--broker", "-a", "--broker-addr", dest="broker", default=DEFAULT_BROKER,
-                   metavar="[USER/PASS@]HOST[:PORT]",
+                   metavar="[amqps://][USER/PASS@]HOST[:PORT]",
                    help=f"the broker's address, the same as qflow-send's (default {DEFAULT_BROKER}), with the "
                         "credentials of a user when it runs --auth yes; the management API is found from it")
-    p.add_argument("--mgmt-url", metavar="[http://]HOST:PORT",
+    p.add_argument("--mgmt-url", metavar="[http[s]://]HOST:PORT",
                    help="the management API's address, if it cannot be found from -b (qflowd --mgmt-port)")
+    add_tls_options(p, management=True)
 
 
 def open_management(parser: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> Management:
     """The management client of ``args``: --mgmt-url, else the address the broker at -b announces.
     Raises ToolError when the broker cannot be asked."""
     url = broker_address(parser, args.broker)  # its credentials go to the management API too (HTTP Basic)
+    check_tls_options(parser, args, url, management=True)
     if args.mgmt_url:
-        host, port = mgmt_address(parser, args.mgmt_url)
+        where = mgmt_address(parser, args.mgmt_url)
     else:
-        host, port = discover_management(url, args.timeout, f"{prog}[{os.getpid()}]")
-    return Management(host, port, args.timeout, url.username, url.password)
+        where = discover_management(url, args.timeout, f"{prog}[{os.getpid()}]", args)
+    context = client_tls(args) if where.scheme == "https" else None
+    return Management(where.host, where.port, args.timeout, url.username, url.password, context)
 
 
 def non_negative(text: str) -> int:
@@ -236,10 +360,14 @@ class Management:
     """A keep-alive client for qflowd's management API (qflow.management)."""
 
     def __init__(self, host: str, port: int, timeout: float = 10.0, username: str | None = None,
-                 password: str | None = None) -> None:
-        """``username`` and ``password``: sent as HTTP Basic (a broker with ``--auth yes`` needs them)."""
+                 password: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``username`` and ``password``: sent as HTTP Basic (a broker with ``--auth yes`` needs them);
+        ``ssl_context``: https (the broker's certificate and host name verified with it)."""
         self.address = f"{host}:{port}"
-        self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        self._https = ssl_context is not None
+        self._conn: http.client.HTTPConnection = (
+            http.client.HTTPConnection(host, port, timeout=timeout) if ssl_context is None
+            else http.client.HTTPSConnection(host, port, timeout=timeout, context=ssl_context))
         self._auth: dict[str, str] = {}
         if username is not None:
             token = base64.b64encode(f"{username}:{password or ''}".encode()).decode("ascii")
@@ -265,8 +393,14 @@ class Management:
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 # The server closed an idle keep-alive connection: one fresh try.
                 self._conn.close()
+                if attempt == 2 and self._https:
+                    from qflow.protocol.tls import PEER_ENDED_HINT
+
+                    raise ToolError(f"TLS with the broker's management API at {self.address} failed: connection "
+                                    f"closed ({PEER_ENDED_HINT})") from None
                 if attempt == 2:
-                    raise ToolError(f"management connection to {self.address} closed unexpectedly") from None
+                    raise ToolError(f"management connection to {self.address} closed unexpectedly (if the "
+                                    "broker serves https there, say --mgmt-url https://...)") from None
             except http.client.BadStatusLine as exc:
                 self._conn.close()
                 if "QFLOW" in str(exc):
@@ -275,6 +409,9 @@ class Management:
                                     "out and give the broker's address with -b") from None
                 raise ToolError(f"{self.address} does not answer as qflowd's management API ({exc!r:.60})") \
                     from None
+            except ssl.SSLError as exc:
+                self._conn.close()
+                raise _tls_failure(f"the broker's management API at {self.address}", exc) from None
             except (OSError, http.client.HTTPException) as exc:
                 self._conn.close()
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__

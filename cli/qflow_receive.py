@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import trio
 
@@ -29,8 +30,12 @@ from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
     BrokerUrl,
+    ToolError,
+    add_tls_options,
     add_tool_options,
     broker_address,
+    check_tls_options,
+    connect_options,
     fail,
     non_negative,
     positive,
@@ -44,8 +49,9 @@ PROG = "qflow-receive"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Receive messages from a qflow queue.")
-    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[USER/PASS@]HOST:PORT",
-                   help=f"the broker's protocol address (default {DEFAULT_BROKER})")
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[amqps://][USER/PASS@]HOST:PORT",
+                   help=f"the broker's protocol address (default {DEFAULT_BROKER}); amqps:// for its TLS port "
+                        "(5671 by default)")
     p.add_argument("-a", "--address", required=True, metavar="QUEUE", help="the queue to receive from")
     p.add_argument("-m", "--messages", type=non_negative, default=0, metavar="N",
                    help="stop after N messages (default 0: no limit)")
@@ -63,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
     p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
                    help="the connection's name, shown by qflow-stat -c")
+    add_tls_options(p)
     add_tool_options(p)
     return p
 
@@ -96,12 +103,12 @@ class Latency:
         return f"\t{self.low:.2f}\t{self.high:.2f}\t{self.total / self.samples:.2f}"
 
 
-async def receive(args: argparse.Namespace, url: BrokerUrl,
+async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any],
                   latency: Latency) -> tuple[int, int, float]:
     """Receive until done; returns (messages, bytes, seconds from the first message to the last)."""
     out = sys.stdout.buffer
     flush_each = sys.stdout.isatty()  # a person watching sees each line at once; a pipe gets big writes
-    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **url.credentials)
+    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **options)
     try:
         ssn = await conn.session()
         capacity = args.capacity or 1  # Qpid's capacity 0: no prefetch beyond the message being fetched
@@ -146,9 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     url = broker_address(parser, args.broker, 5672)
+    check_tls_options(parser, args, url)
+    try:
+        options = connect_options(args, url)
+    except ToolError as exc:
+        return fail(PROG, str(exc))
     try:
         latency = Latency()
-        received, nbytes, seconds = trio.run(receive, args, url, latency)
+        received, nbytes, seconds = trio.run(receive, args, url, options, latency)
     except qflow.QflowError as exc:
         return fail(PROG, exc.text)
     except BrokenPipeError:

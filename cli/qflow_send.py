@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import trio
 
@@ -37,9 +38,13 @@ from ._common import (
     DEFAULT_BROKER,
     PROGRESS_MIN,
     BrokerUrl,
+    ToolError,
+    add_tls_options,
     add_tool_options,
     bar_logging,
     broker_address,
+    check_tls_options,
+    connect_options,
     fail,
     non_negative,
     positive_float,
@@ -55,8 +60,9 @@ PROG = "qflow-send"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Send messages to a qflow broker.")
-    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[USER/PASS@]HOST:PORT",
-                   help=f"the broker's protocol address (default {DEFAULT_BROKER})")
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[amqps://][USER/PASS@]HOST:PORT",
+                   help=f"the broker's protocol address (default {DEFAULT_BROKER}); amqps:// for its TLS port "
+                        "(5671 by default)")
     p.add_argument("-a", "--address", required=True, help="QUEUE, or EXCHANGE/ROUTING-KEY")
     p.add_argument("-m", "--messages", type=non_negative, default=None, metavar="N",
                    help="messages to send (default 1, or every line with --content-stdin)")
@@ -80,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
     p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
                    help="the connection's name, shown by qflow-stat -c")
+    add_tls_options(p)
     add_tool_options(p)
     return p
 
@@ -101,9 +108,9 @@ def bodies(args: argparse.Namespace) -> Iterator[bytes]:
         yield body
 
 
-async def send(args: argparse.Namespace, url: BrokerUrl) -> tuple[int, int, float]:
+async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]) -> tuple[int, int, float]:
     """Send everything and wait for every completion. Returns (messages, bytes, seconds)."""
-    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **url.credentials)
+    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **options)
     try:
         ssn = await conn.session()
         exchange, slash, key = args.address.partition("/")
@@ -147,10 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     url = broker_address(parser, args.broker, 5672)
+    check_tls_options(parser, args, url)
+    try:
+        options = connect_options(args, url)
+    except ToolError as exc:
+        return fail(PROG, str(exc))
     # The client warns through logging while flow control holds the sender: show it.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"{PROG}: %(message)s")
     try:
-        sent, nbytes, seconds = trio.run(send, args, url)
+        sent, nbytes, seconds = trio.run(send, args, url, options)
     except qflow.QflowError as exc:
         return fail(PROG, exc.text)
     except OSError as exc:

@@ -4,6 +4,8 @@
            [--store-overfull-size BYTES [--store-underfull-size BYTES]] [--store-segment-size BYTES]
            [--memory-high-watermark BYTES|FRACTION] [--memory-low-watermark BYTES|FRACTION]
            [--auth yes|no] [--sasl-db FILE]
+           [--ssl-cert-file FILE [--ssl-key-file FILE] [--ssl-port PORT] [--mgmt-ssl yes|no]
+            [--ssl-ca-file FILE [--ssl-require-client-authentication]]]
 
 Authentication (SASL SCRAM-SHA-256 and PLAIN on the messaging port, HTTP
 Basic on the management port) is on with ``--auth yes``, against the users
@@ -11,6 +13,13 @@ of ``--sasl-db FILE`` (written by qflow-passwd). Without ``--auth`` it is
 off when qflowd listens on loopback only (or on when --sasl-db is given);
 asked to listen on any other address with no ``--auth``, qflowd refuses to
 start (exit 2), naming ``--auth``.
+
+With ``--ssl-cert-file``, TLS is served on ``--ssl-port`` (beside the plain
+messaging port) and the management API is https on ``--mgmt-port`` (unless
+``--mgmt-ssl no``). ``--ssl-ca-file`` lets clients present a certificate its
+CAs signed, which authenticates them as the certificate's CN (SASL EXTERNAL;
+on the management API, instead of HTTP Basic);
+``--ssl-require-client-authentication`` refuses TLS clients without one.
 
 The data directory (default ~/.qflowd) keeps the durable configuration across
 restarts and is locked: a second qflowd on it exits 1, naming the holder's PID.
@@ -205,6 +214,16 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     p.add_argument("--ssl-key-file", metavar="FILE", help="its private key (PEM), if not in --ssl-cert-file")
     p.add_argument("--ssl-port", type=int, default=None, metavar="PORT",
                    help="the TLS messaging port; 0 picks a free one (default 5671, or a free one when --port is 0)")
+    p.add_argument("--ssl-ca-file", metavar="FILE",
+                   help="CA certificates (PEM) whose client certificates the broker trusts: a client presenting "
+                        "one may authenticate as its CN (SASL EXTERNAL, HTTPS on the management port)")
+    p.add_argument("--ssl-require-client-authentication", "--ssl-require-client-auth", dest="ssl_require_client_auth",
+                   action="store_true",
+                   help="mutual TLS: a TLS client (messaging or management) without a certificate signed by a CA "
+                        "of --ssl-ca-file is refused in the handshake")
+    p.add_argument("--mgmt-ssl", type=yes_no, default=True, metavar="yes|no",
+                   help="with --ssl-cert-file, serve the management API over TLS (https) on --mgmt-port "
+                        "(default yes; no: plain http, for a broker behind a TLS proxy)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
                        help="where durable queues, exchanges and bindings are kept; created if missing, and locked "
@@ -280,6 +299,13 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     if args.ssl_cert_file is None and (args.ssl_key_file is not None or args.ssl_port is not None):
         p.error("--ssl-key-file and --ssl-port need --ssl-cert-file")
+    if args.ssl_cert_file is None and (args.ssl_ca_file is not None or args.ssl_require_client_auth):
+        p.error("--ssl-ca-file and --ssl-require-client-authentication need --ssl-cert-file (the broker's own "
+                "certificate: client certificates are checked only on TLS connections)")
+    if args.ssl_require_client_auth and args.ssl_ca_file is None:
+        p.error("--ssl-require-client-authentication needs --ssl-ca-file FILE: the CA certificates that sign the "
+                "clients' certificates")
+    args.mgmt_ssl = args.mgmt_ssl and args.ssl_cert_file is not None
     if args.ssl_port is None:
         args.ssl_port = 0 if args.port == 0 else 5671
     if not 0 <= args.ssl_port <= 65535:

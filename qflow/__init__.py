@@ -17,7 +17,8 @@ _EXPORTS = {
     **dict.fromkeys(
         ("ConnectionClosed", "Empty", "FlowControlTimeout", "InvalidArgument", "NotAllowed", "NotFound",
          "PreconditionFailed", "QflowError", "ReceivedMessage", "Receiver", "ResourceLimitExceeded",
-         "ResourceLocked", "Sender", "Session", "connect", "open_connection"), "qflow.client"),
+         "ResourceLocked", "Sender", "Session", "TlsError", "connect", "open_connection", "tls_context"),
+        "qflow.client"),
     **dict.fromkeys(("AccountingError", "PyAccounting", "load_accounting"), "qflow.broker.accounting"),
     "Broker": "qflow.broker",
     **dict.fromkeys(("FlowDefaults", "QueueSettings", "SettingsError"), "qflow.broker.flow"),

@@ -754,3 +754,46 @@ def test_batch_read_between_starting_and_ending_offsets(spark: Any, daemon: Daem
     finally:
         query.stop()
     assert stats(daemon, "bounded")["msgDepth"] == 12
+
+
+def test_tls_options_write_and_read_over_mutual_tls_as_the_certificate_name(spark: Any, tmp_path: Any) -> None:
+    """Options ssl, sslCaFile, sslCertFile, sslKeyFile: the sink and the source over TLS to a broker that
+    requires client certificates; with no username, the certificate's CN is the user (EXTERNAL)."""
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(tmp_path / "broker.pem")
+    client = ca.issue_cert("spark.example", common_name="spark-job")
+    client.cert_chain_pems[0].write_to_path(tmp_path / "client.crt")
+    client.private_key_pem.write_to_path(tmp_path / "client.key")
+    d = start_qflowd("--ssl-cert-file", str(tmp_path / "broker.pem"), "--ssl-ca-file", str(tmp_path / "ca.pem"),
+                     "--ssl-require-client-authentication")
+    try:
+        broker = f"127.0.0.1:{d.ssl_port}"
+        tls = {"ssl": "true", "sslCaFile": str(tmp_path / "ca.pem"), "sslCertFile": str(tmp_path / "client.crt"),
+               "sslKeyFile": str(tmp_path / "client.key")}
+
+        async def declare() -> None:
+            context = qflow.tls_context(**{"ca_file": tls["sslCaFile"], "cert_file": tls["sslCertFile"],
+                                           "key_file": tls["sslKeyFile"]})
+            with trio.fail_after(60):
+                async with qflow.open_connection("127.0.0.1", d.ssl_port, ssl_context=context,
+                                                 mechanism="EXTERNAL") as c:
+                    await (await c.session()).declare_queue("over.tls")
+
+        trio.run(declare)
+        df = spark.createDataFrame([("a",), ("b",)], "body string")
+        df.write.format("qflow").option("broker", broker).option("queue", "over.tls").options(**tls) \
+            .mode("append").save()
+        got = read(spark, broker, "over.tls", **tls).collect()
+        assert sorted(bytes(r.body) for r in got) == [b"a", b"b"]
+        assert "user 'spark-job'" in d.log()
+        with pytest.raises(Exception, match="TLS with the broker at 127.0.0.1"):
+            read(spark, broker, "over.tls", ssl="true", sslCaFile=tls["sslCaFile"]).collect()  # no certificate
+        with pytest.raises(ValueError, match="qflow option 'sslCaFile' is for TLS: add option ssl=true"):
+            ReadOptions.parse({"queue": "q", "sslCaFile": "ca.pem"})
+        with pytest.raises(ValueError, match="'sslKeyFile' goes with option 'sslCertFile'"):
+            ReadOptions.parse({"queue": "q", "ssl": "true", "sslKeyFile": "k.pem"})
+    finally:
+        d.stop()

@@ -18,7 +18,7 @@ One module per concept: ``connection`` (open_connection, connect), ``session``,
 ``pacing`` (rate limits). The protocol's rules are qflow.protocol's.
 """
 
-from qflow.client.connection import Connection, connect, open_connection
+from qflow.client.connection import Connection, connect, open_connection, tls_context
 from qflow.client.errors import (
     ConnectionClosed,
     FlowControlTimeout,
@@ -29,6 +29,7 @@ from qflow.client.errors import (
     QflowError,
     ResourceLimitExceeded,
     ResourceLocked,
+    TlsError,
     error_for,
 )
 from qflow.client.message import ReceivedMessage
@@ -39,5 +40,5 @@ from qflow.client.session import Session
 __all__ = [
     "Connection", "ConnectionClosed", "Empty", "FlowControlTimeout", "InvalidArgument", "NotAllowed", "NotFound",
     "PreconditionFailed", "QflowError", "ReceivedMessage", "Receiver", "ResourceLimitExceeded", "ResourceLocked",
-    "Sender", "Session", "connect", "error_for", "open_connection",
+    "Sender", "Session", "TlsError", "connect", "error_for", "open_connection", "tls_context",
 ]

@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from qflow import protocol as P
-from qflow.client.errors import ConnectionClosed
+from qflow.client.errors import ConnectionClosed, TlsError
 from qflow.client.message import _Deliveries
 from qflow.client.session import Session
 from qflow.protocol import DELIVER, DELIVER_PART, DELIVER_RUN
@@ -48,8 +48,34 @@ from qflow.protocol.connection import (
 from qflow.protocol.entries import EntryError
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingError
 from qflow.protocol.parts import PartJoiner
+from qflow.protocol.tls import client_handshake_failure
 
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
+
+
+def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+                ) -> ssl.SSLContext:
+    """A client's TLS context for ``ssl_context``: the broker's certificate is
+    verified against the CA certificates of ``ca_file`` (PEM; None: the
+    system's), and its host name against the address connected to. With
+    ``cert_file`` (and ``key_file``, unless the key is in it), this client
+    presents its own certificate: with ``mechanism="EXTERNAL"`` it
+    authenticates as the certificate's CN. Raises OSError or ssl.SSLError if
+    a file cannot be read or used."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file is not None:
+        context.load_cert_chain(cert_file, key_file)
+    elif key_file is not None:
+        raise ValueError("key_file goes with cert_file")
+    return context
+
+
+def _tls_error(host: str, port: int, exc: BaseException) -> TlsError:
+    error = TlsError(P.CONNECTION_FORCED,
+                     f"TLS with the broker at {host}:{port} failed: {client_handshake_failure(exc)}")
+    error.__cause__ = exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc
+    return error
 
 
 async def _open_stream(host: str, port: int, ssl_context: ssl.SSLContext | None) -> trio.abc.Stream:
@@ -58,6 +84,9 @@ async def _open_stream(host: str, port: int, ssl_context: ssl.SSLContext | None)
         stream = trio.SSLStream(stream, ssl_context, server_hostname=host)
         try:
             await stream.do_handshake()
+        except trio.BrokenResourceError as exc:
+            await trio.aclose_forcefully(stream)
+            raise _tls_error(host, port, exc)  # noqa: B904 - its cause is the ssl error, set by _tls_error
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
@@ -83,7 +112,12 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
     over TLS); without, ANONYMOUS, which only a broker with ``--auth no``
     takes. A refusal is ConnectionClosed, code 530, ``authentication
     failed``. ``ssl_context``: the connection runs over TLS with it
-    (``trio.SSLStream``; the broker's name checked against ``host``).
+    (``trio.SSLStream``; the broker's name checked against ``host``;
+    :func:`tls_context` makes one from a CA file). ``mechanism="EXTERNAL"``
+    (no username): the connection's user is the CN of the client
+    certificate in ``ssl_context``, which the broker verified. A TLS
+    failure (the broker's certificate, or the broker refusing this client's)
+    is TlsError, naming the address and the reason.
 
     The connection's tasks run in a nursery opened here, so they end with
     the block. An exception from the block propagates as itself (not in an
@@ -122,7 +156,9 @@ async def _new_connection(host: str, port: int, name: str, heartbeat: float, max
     credentials = _credentials(username, password, mechanism)
     stream = await _open_stream(host, port, ssl_context)
     try:
-        return Connection(stream, name, heartbeat, max_frame_size, **credentials)
+        conn = Connection(stream, name, heartbeat, max_frame_size, **credentials)
+        conn.address = (host, port)
+        return conn
     except ValueError:
         await trio.aclose_forcefully(stream)
         raise
@@ -171,6 +207,7 @@ class Connection:
         self.encoder = self.protocol.encoder
         self.sessions: dict[int, Session] = self.protocol.sessions
         self.error: ConnectionClosed | None = None
+        self.address: tuple[str, int] = ("?", 0)  # the broker's, as connected to
         self._failure: BaseException | None = None  # an error of the connection's own tasks: a client bug
         self._opened = trio.Event()  # set by connection.open-ok, or when the connection ends
         self._wake = trio.Event()
@@ -335,7 +372,14 @@ class Connection:
             self._shutdown(ConnectionClosed(end.code, end.text))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             protocol.connection_lost()
-            self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
+            if not self._opened.is_set() and isinstance(self.stream, trio.SSLStream) and \
+                    isinstance(exc, trio.BrokenResourceError):
+                # TLS 1.3: the broker checks this client's certificate after the client's handshake is done,
+                # so its refusal arrives as the first read fails (its alert, or a reset if the broker closed
+                # with our open unread).
+                self._shutdown(_tls_error(*self.address, exc))
+            else:
+                self._shutdown(ConnectionClosed(P.CONNECTION_FORCED, f"connection lost: {exc}"))
         except Exception as exc:
             self._fail(exc)
         finally:

@@ -45,6 +45,13 @@ class ConnectionClosed(QflowError):
     """The connection ended; ``code``/``text`` say why when the broker said."""
 
 
+class TlsError(ConnectionClosed):
+    """TLS with the broker failed: its certificate could not be verified (an
+    unknown CA, a host name it does not name), or the broker refused this
+    client's (none, or one it does not trust). ``text`` names the broker's
+    address and the reason, in one line."""
+
+
 class FlowControlTimeout(QflowError):
     """``send`` waited longer than the sender's flow_timeout; the message was not sent."""
 

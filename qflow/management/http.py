@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
@@ -28,6 +29,7 @@ from qflow.management.events import EventStream
 from qflow.management.guard import RequestGuard
 from qflow.protocol.framing import PROTOCOL_HEADER
 from qflow.protocol.names import printable
+from qflow.protocol.tls import certificate_name, handshake_failure
 
 log = logging.getLogger("qflow.management")
 
@@ -83,12 +85,16 @@ def basic_credentials(headers: list[tuple[bytes, bytes]]) -> tuple[str, str] | N
     return (user, password) if sep else None
 
 
-def unauthorized(headers: list[tuple[bytes, bytes]], authenticate: Authenticate | None, peer: str
+def unauthorized(headers: list[tuple[bytes, bytes]], authenticate: Authenticate | None, peer: str,
+                 certificate_user: str | None = None
                  ) -> Response | None:
     """The 401 answer to a request without valid credentials for this broker's
-    users (``--auth yes``), or None when it may go on. A failure is logged,
+    users (``--auth yes``), or None when it may go on. A request over TLS with
+    a verified client certificate (``certificate_user``, its CN) and no Basic
+    credentials is that user's, as EXTERNAL is on the messaging port; Basic
+    credentials, if sent, are checked whatever the certificate. A failure is logged,
     with the user (escaped) and the peer; the answer never says which part was wrong."""
-    if authenticate is None:
+    if authenticate is None or (certificate_user is not None and basic_credentials(headers) is None):
         return None
     credentials = basic_credentials(headers)
     if credentials is not None and authenticate(*credentials):
@@ -151,17 +157,22 @@ class ManagementServer:
         self.streams = 0
         self.streams_per_client: dict[str, int] = {}  # peer address -> its event streams now
 
-    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+    async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host``:``port`` (0: a free one, given to ``task_status``);
+        with ``ssl_context``, HTTPS only (qflowd with --ssl-cert-file)."""
+        if ssl_context is None:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        else:
+            listeners = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host)
         self.guard.listen_on(host)
-        task_status.started(listeners[0].socket.getsockname()[1])
+        task_status.started(_socket(listeners[0]).getsockname()[1])
         await self._serve_listeners(self._handle, listeners)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: trio.SocketStream | trio.SSLStream) -> None:
         try:
             try:
-                client = stream.socket.getpeername()[0]
+                client = _socket(stream).getpeername()[0]
             except OSError:
                 client = "?"
             mine = self.per_client.get(client, 0)
@@ -191,9 +202,20 @@ class ManagementServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _connection(self, stream: trio.SocketStream, client: str) -> None:
+    async def _connection(self, stream: trio.SocketStream | trio.SSLStream, client: str) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         local, peer = _addresses(stream)
+        certificate_user = None  # a verified client certificate's CN: the user when no Basic credentials come
+        if isinstance(stream, trio.SSLStream):
+            with trio.move_on_after(self.timeout) as scope:
+                try:
+                    await stream.do_handshake()
+                except trio.BrokenResourceError as exc:
+                    log.warning("management %s: TLS handshake failed: %s", peer, handshake_failure(exc))
+                    return
+            if scope.cancelled_caught:
+                return  # nothing came in time: closed, as an idle plain connection is
+            certificate_user = certificate_name(stream.getpeercert())
         while True:
             received = [False]  # did any byte of this request arrive?
             request = None
@@ -214,8 +236,9 @@ class ManagementServer:
                 return
             method, target, body, headers = request
             credentials = basic_credentials(headers)
-            response = unauthorized(headers, self.authenticate, peer) or self.api.handle_in_steps(
-                method, target, body, credentials[0] if credentials else "anonymous", peer=peer)
+            user = credentials[0] if credentials else certificate_user or "anonymous"
+            response = unauthorized(headers, self.authenticate, peer, certificate_user) or self.api.handle_in_steps(
+                method, target, body, user, peer=peer)
             while type(response) is Pending:  # a purge or delete of a deep queue: others are served between steps
                 await trio.lowlevel.checkpoint()
                 response = response.step() or response
@@ -366,7 +389,8 @@ class ManagementServer:
         """Half-close and drain a little, so a client still sending the body
         we refused reads our answer instead of a connection reset."""
         try:
-            await stream.send_eof()
+            if isinstance(stream, trio.SocketStream):  # TLS has no half-close: drain all the same
+                await stream.send_eof()
             with trio.move_on_after(min(self.timeout, 2.0)):
                 drained = 0
                 while drained < 4 * MAX_BODY:
@@ -378,11 +402,21 @@ class ManagementServer:
             pass
 
 
-def _addresses(stream: trio.SocketStream) -> tuple[str | None, str]:
+def _socket(stream: trio.SocketStream | trio.SSLStream | trio.SocketListener | trio.SSLListener
+            ) -> trio.socket.SocketType:
+    """The socket under a plain or TLS stream or listener."""
+    if isinstance(stream, trio.SSLStream):
+        return stream.transport_stream.socket
+    if isinstance(stream, trio.SSLListener):
+        return stream.transport_listener.socket
+    return stream.socket
+
+
+def _addresses(stream: trio.SocketStream | trio.SSLStream) -> tuple[str | None, str]:
     """The connection's local address (a Host naming it is ours) and its peer, as host:port for the log."""
     try:
-        local = stream.socket.getsockname()[0]
-        peer_address = stream.socket.getpeername()
+        local = _socket(stream).getsockname()[0]
+        peer_address = _socket(stream).getpeername()
     except (OSError, AttributeError):
         return None, "?"
     return local, f"{peer_address[0]}:{peer_address[1]}"

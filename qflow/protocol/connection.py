@@ -50,6 +50,12 @@ client names (Qpid's ``--auth no``). Every failure of the exchange is
 refused alike, ``530 authentication failed``, saying nothing of whether the
 user exists (:class:`AuthFailed` tells the glue, for its log).
 
+EXTERNAL (a TLS client certificate) is offered, whatever the auth setting,
+only once the glue has handed in the verified certificate's name with
+:meth:`set_peer_identity` (it alone sees the TLS session); the connection's
+user is then that name. A client asks for it with ``mechanism="EXTERNAL"``
+and no username.
+
 Once open, ``session.attach`` / ``detach`` / ``flush`` are checked here and
 come out as :class:`AttachRequested`, :class:`DetachRequested` and
 :class:`FlushRequested`; the server answers with :meth:`accept_attach` and
@@ -89,6 +95,7 @@ from qflow.protocol.session_output import SessionOutput
 MAX_SESSIONS = 256  # per connection
 CHANNELS = 65536  # channel numbers run 0 .. CHANNELS - 1
 MECHANISMS = (sasl.ANONYMOUS, *sasl.AUTH_MECHANISMS)  # offered without authentication (--auth no)
+CLIENT_MECHANISMS = (*MECHANISMS, sasl.EXTERNAL)  # what a client may ask for
 WRONG_PORT_HINT = ("this is an HTTP server (qflowd's management port?), not qflowd's messaging port: "
                    "give the broker's address, port 5672 by default")
 
@@ -260,6 +267,7 @@ class ProtocolConnection:
         self.secret = secret
         self.user = ""  # who the connection is authenticated as, once open
         self.mechanism = ""
+        self.peer_identity: str | None = None  # server: a verified TLS client certificate's name (EXTERNAL)
         self._scram_server: sasl.ScramServer | None = None
         self._scram_client: sasl.ScramClient | None = None
         self._open_options: tuple[str, float, int, bool] = ("", 0, max_frame_size, False)
@@ -293,18 +301,25 @@ class ProtocolConnection:
                 opts["response"] = self._scram_client.first()
             elif self.mechanism == sasl.PLAIN:
                 opts["response"] = sasl.plain_response(username or "", password)
+            elif self.mechanism == sasl.EXTERNAL:
+                opts["response"] = b""  # no authorisation identity: the certificate's name is the user
             opts.update(name=name, heartbeat=heartbeat, max_frame_size=max_frame_size, deliver_runs=True)
             self.encoder.write([P.OPEN, opts])
 
     def _client_mechanism(self, username: str | None, password: str, mechanism: str | None) -> str:
         if mechanism is None:
             mechanism = sasl.ANONYMOUS if username is None else sasl.SCRAM_SHA_256
-        if mechanism not in MECHANISMS:
-            raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}, not {mechanism!r}")
-        if (mechanism == sasl.ANONYMOUS) != (username is None):
+        if mechanism not in CLIENT_MECHANISMS:
+            raise ValueError(f"mechanism must be one of {', '.join(CLIENT_MECHANISMS)}, not {mechanism!r}")
+        if (mechanism in (sasl.ANONYMOUS, sasl.EXTERNAL)) != (username is None):
             raise ValueError(f"{mechanism} {'takes no' if username is not None else 'needs a'} username")
         self.mechanism = mechanism
         return mechanism
+
+    def set_peer_identity(self, name: str) -> None:
+        """Server: the name of the client certificate TLS verified (the glue's
+        to hand in before the open arrives): EXTERNAL is offered, as that user."""
+        self.peer_identity = name
 
     # -- input --------------------------------------------------------------------
     def receive_data(self, data: bytes, now: float) -> None:
@@ -375,7 +390,12 @@ class ProtocolConnection:
         """The open's credentials: open-ok (Opened), or a SCRAM challenge
         (None: AUTHENTICATING), or a refusal."""
         offered = MECHANISMS if self.users is None else sasl.AUTH_MECHANISMS
+        if self.peer_identity:
+            offered = (*offered, sasl.EXTERNAL)
         if mechanism not in offered:
+            if mechanism == sasl.EXTERNAL:
+                raise self._refuse(P.NOT_ALLOWED, "EXTERNAL needs a TLS connection with a client certificate the "
+                                   f"broker verified (offered: {', '.join(offered)})")
             # An old client sends no mechanism: it meant ANONYMOUS, and hears what is offered instead.
             if self.users is not None and mechanism == sasl.ANONYMOUS:
                 raise self._refuse(P.NOT_ALLOWED, "authentication required: ANONYMOUS is not offered "
@@ -389,6 +409,8 @@ class ProtocolConnection:
         try:
             if mechanism == sasl.ANONYMOUS:
                 return self._negotiate("anonymous")
+            if mechanism == sasl.EXTERNAL:
+                return self._negotiate(sasl.external_user(self.peer_identity, response))
             if mechanism == sasl.PLAIN:
                 user, password = sasl.parse_plain(response)
                 if self.users is not None:

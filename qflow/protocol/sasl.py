@@ -1,5 +1,5 @@
-"""SASL mechanisms, sans I/O: ANONYMOUS, PLAIN (RFC 4616) and SCRAM-SHA-256
-(RFC 5802, RFC 7677), for both roles.
+"""SASL mechanisms, sans I/O: ANONYMOUS, PLAIN (RFC 4616), SCRAM-SHA-256
+(RFC 5802, RFC 7677) and EXTERNAL (RFC 4422 appendix A), for both roles.
 
 What a broker keeps per user is a :class:`Verifier`: salt, iteration count,
 StoredKey and ServerKey. It holds neither the password nor anything that
@@ -7,6 +7,11 @@ logs in without cracking it: a SCRAM client must prove it knows ClientKey,
 of which StoredKey is only the hash. PLAIN is checked against the same
 verifier (SaltedPassword derived from the given password, compared in
 constant time), so one users file serves both mechanisms.
+
+EXTERNAL authenticates with what the transport already proved: the name of
+a TLS client certificate the broker verified. The identity comes from the
+I/O glue (which alone sees the TLS session); this module only decides
+whether the client's message agrees with it.
 
 The connection state machine (``qflow.protocol.connection``) drives these
 objects; they know nothing of frames.
@@ -23,6 +28,7 @@ from typing import NamedTuple, Protocol
 ANONYMOUS = "ANONYMOUS"
 PLAIN = "PLAIN"
 SCRAM_SHA_256 = "SCRAM-SHA-256"
+EXTERNAL = "EXTERNAL"
 AUTH_MECHANISMS = (SCRAM_SHA_256, PLAIN)  # offered with --auth yes, best first
 DEFAULT_ITERATIONS = 10000  # PBKDF2 rounds for new verifiers (RFC 7677 asks at least 4096)
 MIN_ITERATIONS = 4096
@@ -118,6 +124,23 @@ def parse_plain(response: bytes) -> tuple[str, str]:
 def plain_user(response: bytes) -> str:
     """The user a PLAIN message names (with authentication off, nothing is checked)."""
     return parse_plain(response)[0]
+
+
+# -- EXTERNAL -----------------------------------------------------------------------
+def external_user(identity: str | None, response: bytes) -> str:
+    """The user of an EXTERNAL exchange: ``identity``, the verified client
+    certificate's name. The message is an authorisation identity, empty or
+    that same name (no proxy authorisation, as for PLAIN)."""
+    if not identity:
+        raise AuthError(FAILED, "EXTERNAL without a verified client certificate")
+    try:
+        authzid = response.decode("utf-8")
+    except UnicodeDecodeError:
+        raise AuthError(FAILED, "EXTERNAL authorisation identity is not UTF-8") from None
+    if authzid and authzid != identity:
+        raise AuthError(FAILED, f"EXTERNAL authorisation identity {authzid!r:.60} is not the certificate's "
+                                f"name {identity!r:.60}")
+    return identity
 
 
 # -- SCRAM-SHA-256 ----------------------------------------------------------------------

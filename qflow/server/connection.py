@@ -24,6 +24,7 @@ from qflow.protocol.connection import AuthFailed, ConnectionEnd, Opened
 from qflow.protocol.framing import READ_SIZE, FramingError
 from qflow.protocol.names import printable
 from qflow.protocol.sasl import Users
+from qflow.protocol.tls import certificate_name, handshake_failure
 from qflow.server.pump import ConnectionPump
 
 log = logging.getLogger("qflow.server")
@@ -34,6 +35,11 @@ log = logging.getLogger("qflow.server")
 # the broker's memory. Two of the largest frames: one being written while the
 # next is gathered, so a consumer that keeps up never waits on this limit.
 OUTPUT_LIMIT_FRAMES = 2
+
+
+class TlsHandshakeFailed(Exception):
+    """The TLS handshake of a connection failed (no client certificate where one
+    is required, an untrusted one, a client that does not speak TLS)."""
 
 
 def _negotiated(attr: str) -> property:
@@ -100,6 +106,9 @@ class Connection:
                 nursery.start_soon(self._writer)
                 try:
                     await self._reader()
+                except TlsHandshakeFailed as exc:
+                    protocol.connection_lost()  # no TLS session: nothing can be written to it
+                    log.warning("connection %s: TLS handshake failed: %s", self.peer, exc)
                 except AuthFailed as exc:
                     log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
                                 printable(exc.user), exc.detail)
@@ -204,10 +213,30 @@ class Connection:
                     return
                 self.wake()
 
+    async def _handshake(self, stream: trio.SSLStream) -> None:
+        """The TLS handshake, within the time the handshake as a whole has
+        (--max-negotiate-time); the verified client certificate's name, if
+        any, goes to the protocol state machine (EXTERNAL)."""
+        with trio.move_on_at(self.protocol.peer_deadline) as scope:
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError as exc:
+                raise TlsHandshakeFailed(handshake_failure(exc)) from None
+        if scope.cancelled_caught:
+            raise TlsHandshakeFailed("not completed in time")
+        name = certificate_name(stream.getpeercert())
+        if name is not None:
+            self.protocol.set_peer_identity(name)
+        elif stream.getpeercert():
+            log.warning("connection %s: its client certificate has no usable common name (CN): EXTERNAL is "
+                        "not offered", self.peer)
+
     async def _reader(self) -> None:
         receive = self.stream.receive_some
         protocol = self.protocol
         now = trio.current_time
+        if isinstance(self.stream, trio.SSLStream):
+            await self._handshake(self.stream)
         while True:
             with trio.move_on_at(protocol.peer_deadline) as scope:
                 data = await receive(READ_SIZE)

@@ -52,14 +52,28 @@ class TlsError(Exception):
     """The TLS certificate or key cannot be used; main() turns it into one line and exit 1."""
 
 
-def server_ssl_context(cert_file: str, key_file: str | None) -> ssl.SSLContext:
-    """The TLS context of --ssl-port: the broker's certificate chain and key (PEM)."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+def server_ssl_context(cert_file: str, key_file: str | None, ca_file: str | None = None,
+                       require_client_auth: bool = False) -> ssl.SSLContext:
+    """The TLS context of --ssl-port and of the management port: the broker's
+    certificate chain and key (PEM). With ``ca_file`` (--ssl-ca-file), a client
+    certificate is asked for and must be signed by one of its CAs (only
+    those: not the system's); ``require_client_auth``
+    (--ssl-require-client-authentication): a client without one is refused in
+    the handshake."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         context.load_cert_chain(cert_file, key_file)
     except (OSError, ssl.SSLError) as exc:
         what = f"--ssl-cert-file {cert_file}" + (f" / --ssl-key-file {key_file}" if key_file else "")
         raise TlsError(f"cannot load {what}: {getattr(exc, 'strerror', None) or exc}") from None
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(f"cannot load --ssl-ca-file {ca_file}: {getattr(exc, 'strerror', None) or exc}") \
+                from None
+        context.verify_mode = ssl.CERT_REQUIRED if require_client_auth else ssl.CERT_OPTIONAL
     return context
 
 
@@ -164,7 +178,13 @@ async def run(args: argparse.Namespace) -> None:
         log.info("ACL: %d rules, %d groups from %s (what no rule allows is denied)", len(acl.rules),
                  len(acl.groups), acl_file)
     users = open_users(args)
-    tls = server_ssl_context(args.ssl_cert_file, args.ssl_key_file) if args.ssl_cert_file else None
+    tls = None
+    if args.ssl_cert_file:
+        tls = server_ssl_context(args.ssl_cert_file, args.ssl_key_file, args.ssl_ca_file,
+                                 args.ssl_require_client_auth)
+        log.info("TLS: certificate %s; client certificates: %s", args.ssl_cert_file,
+                 f"required, signed by a CA of {args.ssl_ca_file}" if args.ssl_require_client_auth else
+                 f"optional, signed by a CA of {args.ssl_ca_file}" if args.ssl_ca_file else "not asked for")
     server = Server(broker, args.max_frame_size, users, args.limits)
     with ExitStack() as resources:
         data_dir = None
@@ -235,6 +255,9 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             ssl_port = None
             if tls is not None:
                 ssl_port = await _start(nursery, "TLS", server.serve, args.host, args.ssl_port, tls)
+            # With a certificate, the management API is served over TLS on its port (with the same client
+            # certificate rules): credentials sent as HTTP Basic are not to cross the network in clear.
+            mgmt_tls = tls if args.mgmt_ssl else None
             limits = args.limits
             options = {"host": args.host, "port": port, "maxFrameSize": args.max_frame_size,
                        "maxConnections": limits.max_connections, "connectionLimitPerIp": limits.per_ip,
@@ -246,6 +269,8 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "storeSegmentSize": journal.segment_size if journal is not None else None,
                        "auth": server.users is not None,
                        "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port,
+                       "sslRequireClientAuthentication": args.ssl_require_client_auth,
+                       "sslCaFile": args.ssl_ca_file, "mgmtSsl": mgmt_tls is not None,
                        "mgmtAllowedHosts": list(args.mgmt_allowed_hosts), "aclFile": args.acl_file}
             api = ManagementApi(broker, server, options, store=store, memory=alarm,
                                 reload_acl=acl_reloader(broker, args.acl_file) if args.acl_file else None)
@@ -253,16 +278,17 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                                     authenticate=management_authenticator(server.users, server.secret),
                                     guard=RequestGuard(args.mgmt_allowed_hosts),
                                     serve_listeners=serve_listeners)
-            mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port)
+            mgmt_port = await _start(nursery, "management", mgmt.serve, args.host, args.mgmt_port, mgmt_tls)
             api.options["mgmtPort"] = mgmt_port
             # The tools take the broker's one address (as Qpid's do) and learn the management port from the
             # connection.open-ok. A wildcard host is the client's to fill in: it knows which address reached us.
             server.announce["management_port"] = mgmt_port
+            server.announce["management_scheme"] = "https" if mgmt_tls is not None else "http"
             # Long-lived start-up objects need no more cyclic-GC scans.
             gc.collect()
             gc.freeze()
-            log.info("qflowd started (pid %d): port %d, management port %d%s, data directory %s", os.getpid(),
-                     port, mgmt_port, f", TLS port {ssl_port}" if ssl_port is not None else "", data_dir or "none")
+            log.info("qflowd started (pid %d): port %d, management port %d (%s)%s, data directory %s",
+                     os.getpid(), port, mgmt_port, "https" if mgmt_tls is not None else "http", f", TLS port {ssl_port}" if ssl_port is not None else "", data_dir or "none")
             ready += f" mgmt-port={mgmt_port}" + (f" ssl-port={ssl_port}" if ssl_port is not None else "")
             print(ready, flush=True)
             async for signum in signals:

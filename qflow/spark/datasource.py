@@ -106,7 +106,8 @@ def _lower(options: Mapping[str, str], known: frozenset[str]) -> dict[str, str]:
 # Spark's own options, which it hands on to a source or sink (DataStreamWriter's queryName and
 # checkpointLocation, the path of load()/save()); and "__"-prefixed ones are Spark's internals.
 _SPARK_OPTIONS = frozenset({"path", "paths", "checkpointlocation", "queryname"})
-_ENDPOINT_OPTIONS = frozenset({"broker", "connecttimeout", "username", "password"})
+_ENDPOINT_OPTIONS = frozenset({"broker", "connecttimeout", "username", "password", "ssl", "sslcafile",
+                               "sslcertfile", "sslkeyfile"})
 READ_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "numpartitions", "maxmessagespertrigger", "startingoffsets",
                                     "endingoffsets", "failondataloss", "consume"}
 WRITE_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "exchange", "routingkey", "capacity", "sendtimeout", "writeid",
@@ -185,6 +186,12 @@ class Endpoint:
     connect_timeout: float
     username: str | None = None  # with password: SCRAM-SHA-256, for a broker with --auth yes
     password: str | None = field(default=None, repr=False)  # never in a plan or a log
+    # TLS (option ssl=true): the files are paths that every executor reads when it connects (an
+    # SSLContext does not pickle). A client certificate without a username authenticates as its CN.
+    ssl: bool = False
+    ssl_ca_file: str | None = None  # CA certificates (PEM) of the broker's certificate; None: the system's
+    ssl_cert_file: str | None = None  # this client's certificate (PEM), for mutual TLS
+    ssl_key_file: str | None = None  # its key, if not in ssl_cert_file
 
     @classmethod
     def parse(cls, opts: dict[str, str]) -> Endpoint:
@@ -195,10 +202,34 @@ class Endpoint:
             raise QflowOptionError("qflow options 'username' and 'password' go together: give both or neither")
         if username is not None and not username:
             raise QflowOptionError("qflow option 'username' is empty")
-        return cls(host, port, timeout, username, password)
+        tls = _bool(opts, "ssl", "ssl", False)
+        files = {key: opts.get(key.lower()) for key in ("sslCaFile", "sslCertFile", "sslKeyFile")}
+        given = [key for key, value in files.items() if value is not None]
+        if given and not tls:
+            raise QflowOptionError(f"qflow option '{given[0]}' is for TLS: add option ssl=true (and the broker's "
+                                   "TLS port, qflowd --ssl-port, in option broker)")
+        if files["sslKeyFile"] is not None and files["sslCertFile"] is None:
+            raise QflowOptionError("qflow option 'sslKeyFile' goes with option 'sslCertFile'")
+        return cls(host, port, timeout, username, password, tls, files["sslCaFile"], files["sslCertFile"],
+                   files["sslKeyFile"])
+
+    def connect_options(self) -> dict[str, Any]:
+        """qflow.connect's credentials and TLS context for these options."""
+        options: dict[str, Any] = {} if self.username is None else {"username": self.username,
+                                                                   "password": self.password}
+        if self.ssl:
+            try:
+                options["ssl_context"] = qflow.tls_context(self.ssl_ca_file, self.ssl_cert_file, self.ssl_key_file)
+            except OSError as exc:  # ssl.SSLError included
+                raise QflowOptionError(f"qflow options sslCaFile/sslCertFile/sslKeyFile: cannot load "
+                                       f"{getattr(exc, 'filename', None) or 'a file'}: "
+                                       f"{getattr(exc, 'strerror', None) or exc}") from None
+            if self.username is None and self.ssl_cert_file is not None:
+                options["mechanism"] = "EXTERNAL"
+        return options
 
     async def connect(self) -> qflow.client.Connection:
-        credentials = {} if self.username is None else {"username": self.username, "password": self.password}
+        credentials = self.connect_options()
         try:
             with trio.fail_after(self.connect_timeout):
                 return await qflow.connect(self.host, self.port, name="qflow.spark", **credentials)
