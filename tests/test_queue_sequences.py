@@ -101,8 +101,12 @@ async def test_removing_sequences_releases_held_producers(running, nursery):
 
     nursery.start_soon(produce)
     await wait_for(lambda: sender.incomplete >= 3)
-    st = await ssn.query_queue("q")
-    assert st["flowStopped"] and st["heldTransfers"] >= 1
+    # The sender's window is full once its sends are written; the broker stops the queue once it has
+    # read the fifth: wait for that (the window alone was a race).
+    with trio.fail_after(30):
+        while not (st := await ssn.query_queue("q"))["flowStopped"]:
+            await trio.sleep(0.01)
+    assert st["heldTransfers"] >= 1
     while not done.is_set():
         a = await ssn.available("q")
         if a["sequences"]:
