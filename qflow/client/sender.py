@@ -41,7 +41,7 @@ def _to_bytes(body: Any) -> bytes:
 
 
 def _properties(message_id: str | None, correlation_id: str | None, content_type: str | None, durable: bool,
-                headers: dict[str, Any] | None) -> dict[str, Any] | None:
+                headers: dict[str, Any] | None, timestamp: int | None = None) -> dict[str, Any] | None:
     """message.transfer's properties map, or None when there are none."""
     props: dict[str, Any] = {}
     if message_id is not None:
@@ -54,6 +54,8 @@ def _properties(message_id: str | None, correlation_id: str | None, content_type
         props["durable"] = True
     if headers:
         props["headers"] = headers
+    if timestamp is not None:
+        props["timestamp"] = timestamp
     return props or None
 
 
@@ -145,8 +147,10 @@ class Sender:
 
     async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
                    correlation_id: str | None = None, content_type: str | None = None, durable: bool | None = None,
-                   headers: dict[str, Any] | None = None) -> None:
+                   headers: dict[str, Any] | None = None, timestamp: int | None = None) -> None:
         """Send one message; waits while ``capacity`` transfers are incomplete.
+        ``timestamp`` (milliseconds since the Unix epoch) is carried as the
+        message's ``timestamp`` property (the broker does not stamp messages).
         ``durable`` (default: the sender's) marks it persistent: on a durable
         queue its transfer completes only once the broker has it on disk.
         Raises the broker's error for an earlier transfer that it refused, and
@@ -156,12 +160,14 @@ class Sender:
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
-                or content_type is not None or durable is not None or headers or type(body) is not bytes
+                or content_type is not None or durable is not None or headers or timestamp is not None
+                or type(body) is not bytes
                 or len(body) != self._prefix_size):
             if durable is None:
                 durable = self._durable
             body, prefix = await self._prepare(body, routing_key, _properties(message_id, correlation_id,
-                                                                              content_type, durable, headers))
+                                                                              content_type, durable, headers,
+                                                                              timestamp))
             incomplete = self.incomplete
         else:  # the per-message path: a plain transfer whose body is the size of the last, from cached bytes
             prefix = self._prefix
@@ -228,7 +234,7 @@ class Sender:
     async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
                         message_id: str | None = None, correlation_id: str | None = None,
                         content_type: str | None = None, durable: bool | None = None,
-                        headers: dict[str, Any] | None = None) -> int:
+                        headers: dict[str, Any] | None = None, timestamp: int | None = None) -> int:
         """Send one message per body, in order, all with the same routing key and
         properties; returns how many were sent. The same as calling ``send`` for
         each body (the capacity still bounds the incomplete transfers, and
@@ -244,12 +250,13 @@ class Sender:
             n = 0
             for body in bodies:
                 await self.send(body, routing_key=routing_key, message_id=message_id, correlation_id=correlation_id,
-                                content_type=content_type, durable=durable, headers=headers)
+                                content_type=content_type, durable=durable, headers=headers, timestamp=timestamp)
                 n += 1
             return n
         if self.errors or self.session.error:
             self._raise_errors()
-        head = self._head_for(routing_key, _properties(message_id, correlation_id, content_type, durable, headers))
+        head = self._head_for(routing_key, _properties(message_id, correlation_id, content_type, durable, headers,
+                                                       timestamp))
         it = iter(bodies)
         sent = 0
         while True:
