@@ -246,14 +246,15 @@ def start_query(spark: Any, cmd: dict) -> Any:
     # Append mode (the one Spark allows for a Python data source sink): a
     # window's totals are sent once, when the watermark passes its end. The
     # closing marker and the warm-up messages have no product: their groups
-    # are dropped after the aggregation (a filter before it would be pushed
-    # below the watermark, and the marker would not move it).
+    # are dropped after the aggregation, by an aggregate (Spark would push a
+    # filter on the product, a grouping key, below the watermark, and the
+    # marker would no longer move it).
     revenue = (parsed.withWatermark("ts", WATERMARK)
                .groupBy(F.window("ts", "1 minute").alias("window"), "product")
                .agg(F.count("*").alias("orders"),
                     F.sum(F.col("quantity") * F.col("price_cents")).alias("revenue_cents"),
-                    F.collect_list("message_id").alias("ids"))
-               .where(F.col("product").isNotNull()))
+                    F.collect_list("message_id").alias("ids"), F.count("product").alias("with_product"))
+               .where(F.col("with_product") > 0))
     # The id names the result (window, product), so a replayed batch repeats it
     # whatever order its shuffle delivers the rows in.
     window_start = F.date_format("window.start", "yyyy-MM-dd'T'HH:mm")
