@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="event-time density: orders per simulated minute (one aggregation window)")
     p.add_argument("--max-per-trigger", type=int, default=0,
                    help="maxMessagesPerTrigger of the Spark source (0: none, the default: no cap)")
-    p.add_argument("--orders-flow", default="600:400", metavar="STOP:RESUME",
+    p.add_argument("--orders-flow", default="500:300", metavar="STOP:RESUME",
                    help="qpid.flow_stop_count:qpid.flow_resume_count of the orders queues")
     p.add_argument("--revenue-flow", default="20:10", metavar="STOP:RESUME",
                    help="qpid.flow_stop_count:qpid.flow_resume_count of the revenue queues")

@@ -5,18 +5,20 @@
     df = spark.read.format("qflow").option("broker", "127.0.0.1:5672").option("queue", "orders").load()
     df.write.format("qflow").option("queue", "copy").mode("append").save()
 
-Reading browses: it delivers copies of a range of sequence numbers and takes
-nothing, so a Spark task that fails and runs again reads the same messages.
-The streaming source's offsets are those sequence numbers; ``commit(end)``
-(which Spark calls once a micro-batch is durable downstream) removes every
-message through ``end`` with ``queue.remove-through``, which releases held
-producers exactly as consuming does. Delivery is at least once.
+Reading browses: it delivers copies of exactly the sequence numbers a batch
+planned and takes nothing, so a Spark task that fails and runs again reads
+the same messages. One source may read several queues (a comma list, or
+``queuePattern``); its streaming offsets are, per queue, the incarnation,
+the sequence planned through and the set a batch reads; ``commit(end)``
+(which Spark calls once a micro-batch is durable downstream) removes exactly
+those with ``queue.remove-sequences``, which releases held producers exactly
+as consuming does. Delivery is at least once.
 
 Writing sends with a capacity window, so broker flow control throttles the
 Spark task, which then simply waits; the task returns only when every
 transfer is complete. Each message gets a deterministic id,
 ``BATCH-PARTITION-ROW``, so a consumer can drop the duplicates a retried task
-sends.
+sends, and a ``timestamp`` property.
 
 Everything held by the classes here pickles: a task opens its own connection
 inside ``read``/``write`` (a short ``trio.run`` per call) and closes it before
