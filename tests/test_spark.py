@@ -313,7 +313,7 @@ def test_streaming_available_now_reads_writes_and_commits(spark: Any, daemon: Da
     assert [p["numInputRows"] for p in progress] == [4, 4, 2]  # admission control
     # Lag in the progress: the source's latestOffset says how far the queue is ahead of the batch.
     latest = [p["sources"][0]["latestOffset"] for p in progress]
-    lags = [(json.loads(x) if isinstance(x, str) else x)["lag"] for x in latest]
+    lags = [(json.loads(x) if isinstance(x, str) else x)["s-in"]["lag"] for x in latest]
     assert lags == [6, 2, 0], lags
     out = browse(daemon, "s-out")
     assert [m.body for m in out] == [f"m{i}".encode() for i in range(10)]

@@ -887,7 +887,8 @@ def _indices(schema: StructType) -> list[int] | None:
 async def _on_session(endpoint: Endpoint, fn: Any, *args: Any) -> Any:
     conn = await endpoint.connect()
     try:
-        ssn = await conn.session()
+        with trio.fail_after(endpoint.connect_timeout):
+            ssn = await conn.session()
         return await fn(endpoint, ssn, *args)
     finally:
         await conn.close()
