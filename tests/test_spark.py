@@ -925,7 +925,7 @@ def test_timestamp_column_and_typed_headers_round_trip(spark: Any, daemon: Daemo
 
     async def publish(ssn: qflow.Session) -> None:
         sender = ssn.sender("typed", capacity=10)
-        await sender.send(b"with", headers=headers, timestamp=stamp, message_id="m1")
+        await sender.send_with(b"with", {"headers": headers, "timestamp": stamp, "message_id": "m1"})
         await sender.send(b"without")
         await sender.sync()
 

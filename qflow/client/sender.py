@@ -147,10 +147,8 @@ class Sender:
 
     async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
                    correlation_id: str | None = None, content_type: str | None = None, durable: bool | None = None,
-                   headers: dict[str, Any] | None = None, timestamp: int | None = None) -> None:
+                   headers: dict[str, Any] | None = None) -> None:
         """Send one message; waits while ``capacity`` transfers are incomplete.
-        ``timestamp`` (milliseconds since the Unix epoch) is carried as the
-        message's ``timestamp`` property (the broker does not stamp messages).
         ``durable`` (default: the sender's) marks it persistent: on a durable
         queue its transfer completes only once the broker has it on disk.
         Raises the broker's error for an earlier transfer that it refused, and
@@ -160,14 +158,12 @@ class Sender:
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
-                or content_type is not None or durable is not None or headers or timestamp is not None
-                or type(body) is not bytes
+                or content_type is not None or durable is not None or headers or type(body) is not bytes
                 or len(body) != self._prefix_size):
             if durable is None:
                 durable = self._durable
             body, prefix = await self._prepare(body, routing_key, _properties(message_id, correlation_id,
-                                                                              content_type, durable, headers,
-                                                                              timestamp))
+                                                                              content_type, durable, headers))
             incomplete = self.incomplete
         else:  # the per-message path: a plain transfer whose body is the size of the last, from cached bytes
             prefix = self._prefix
@@ -192,6 +188,39 @@ class Sender:
         self._unyielded += 1
         if self._unyielded >= YIELD_EVERY:
             # Let the writer send this batch while we encode the next one.
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
+
+    async def send_with(self, body: bytes | str, properties: dict[str, Any] | None, *,
+                        routing_key: str | None = None) -> None:
+        """Send one message with a properties map the caller built, with any
+        of message.transfer's keys (``message_id``, ``correlation_id``,
+        ``content_type``, ``durable``, ``headers``, ``timestamp``: milliseconds
+        since the Unix epoch; the broker does not stamp messages). For a writer
+        that sets them per message, such as the Spark writer; otherwise as
+        ``send``. A map is taken as it is (no ``durable``: transient); None
+        is the sender's default. ``send`` itself takes no timestamp: a
+        parameter more would cost its per-message path a few percent."""
+        if properties is None and self._durable:
+            properties = {"durable": True}
+        body, prefix = await self._prepare(body, routing_key, properties or None)
+        # As send's slow path from here (send inlines it: a call per message costs it).
+        commands = self._commands
+        command_id = commands.next_id
+        commands.next_id = command_id + 1
+        if commands.last_owner is not self:
+            commands.new_run(command_id, self)
+        parts = self._parts
+        if not parts:
+            self._conn._wake.set()
+        parts.append(prefix)
+        parts.append(body)
+        incomplete = self.incomplete + 1
+        self.incomplete = incomplete
+        if incomplete > self.max_incomplete:
+            self.max_incomplete = incomplete
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
             self._unyielded = 0
             await trio.lowlevel.checkpoint()
 
@@ -247,10 +276,10 @@ class Sender:
         if durable is None:
             durable = self._durable
         if self._interval:  # paced: one at a time is the point
+            props = _properties(message_id, correlation_id, content_type, durable, headers, timestamp) or {}
             n = 0
             for body in bodies:
-                await self.send(body, routing_key=routing_key, message_id=message_id, correlation_id=correlation_id,
-                                content_type=content_type, durable=durable, headers=headers, timestamp=timestamp)
+                await self.send_with(body, props, routing_key=routing_key)
                 n += 1
             return n
         if self.errors or self.session.error:

@@ -1244,7 +1244,8 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
             ssn = await conn.session()
         sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout,
                             durable=opts.durable)
-        send = sender.send
+        send = sender.send_with
+        durable = opts.durable
         n = 0
         for batch in batches:
             # Columns are looked up once per batch, never per row.
@@ -1256,25 +1257,21 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
             # Every message carries the time it was sent (or its row's
             # timestamp): what a reader's timestamp column shows.
             now = int(time.time() * 1000)
-            extra = {}
-            if "timestamp" in column:
-                extra["timestamp"] = _timestamp_column(column["timestamp"], now)
-            if keyed and "routing_key" in column:
-                extra["routing_key"] = column["routing_key"].to_pylist()
-            for name in ("correlation_id", "content_type"):
-                if name in column:
-                    extra[name] = column[name].to_pylist()
+            stamps = _timestamp_column(column["timestamp"], now) if "timestamp" in column else None
+            keys = column["routing_key"].to_pylist() if keyed and "routing_key" in column else None
+            optional = {name: column[name].to_pylist() for name in ("correlation_id", "content_type")
+                        if name in column}
             if "headers" in column:
-                extra["headers"] = _headers_column(column["headers"])
-            if not extra:
-                for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}", timestamp=now)
-            else:
-                if "timestamp" not in extra:
-                    extra["timestamp"] = [now] * rows
-                for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}",
-                               **{name: values[i] for name, values in extra.items()})
+                optional["headers"] = _headers_column(column["headers"])
+            for i, body in enumerate(bodies):
+                props = {"message_id": ids[i] or f"{id_prefix}-{n + i}", "timestamp": now if stamps is None
+                         else stamps[i]}
+                if durable:
+                    props["durable"] = True
+                for name, values in optional.items():
+                    if values[i]:
+                        props[name] = values[i]
+                await send(body, props, routing_key=None if keys is None else keys[i])
             n += rows
         with trio.fail_after(opts.send_timeout or math.inf):
             await sender.sync()
