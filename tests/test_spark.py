@@ -927,6 +927,7 @@ def test_timestamp_column_and_typed_headers_round_trip(spark: Any, daemon: Daemo
         sender = ssn.sender("typed", capacity=10)
         await sender.send_with(b"with", {"headers": headers, "timestamp": stamp, "message_id": "m1"})
         await sender.send(b"without")
+        await sender.send(b"qpid-send", headers={"ts": stamp * 1_000_000 + 999})  # qflow-send --timestamp yes
         await sender.sync()
 
     on_broker(daemon, publish)
@@ -939,6 +940,7 @@ def test_timestamp_column_and_typed_headers_round_trip(spark: Any, daemon: Daemo
     assert h["none"] is None and json.loads(h["list"].json) == [1, "two"]
     assert h["n"].string is None and h["s"].long is None  # one field per value: its type's
     assert rows[b"without"].ms is None and rows[b"without"].headers is None
+    assert rows[b"qpid-send"].ms == stamp  # nanoseconds, as qpid-send's ts
     assert spark.sql("SELECT 1").collect()  # the session is unharmed
 
     before = int(time.time() * 1000)
@@ -946,6 +948,7 @@ def test_timestamp_column_and_typed_headers_round_trip(spark: Any, daemon: Daemo
         .mode("append").save()
     after = int(time.time() * 1000)
     copied = {m.body: m for m in browse(daemon, "typed-copy")}
+    assert copied[b"qpid-send"].timestamp == stamp
     assert copied[b"with"].headers == headers and copied[b"with"].timestamp == stamp
     assert copied[b"with"].message_id == "m1"
     assert copied[b"without"].headers == {} and before <= copied[b"without"].timestamp <= after  # stamped when sent

@@ -644,7 +644,7 @@ class _Columns:
         cid += [p.get("correlation_id") for p in props]
         ct += [p.get("content_type") for p in props]
         hdr += [_typed_headers(p.get("headers")) for p in props]
-        ts += [p.get("timestamp") for p in props]
+        ts += [_timestamp(p) for p in props]
 
     def batch(self, indices: list[int] | None) -> Any:
         import pyarrow as pa
@@ -661,6 +661,19 @@ class _Columns:
             else:
                 arrays.append(pa.array(self.cols[i], types[i]))
         return pa.RecordBatch.from_arrays(arrays, names=[COLUMNS[i] for i in which])
+
+
+def _timestamp(props: dict) -> int | None:
+    """The message's time in milliseconds: its ``timestamp`` property, else
+    the ``ts`` header qflow-send --timestamp yes (as qpid-send) puts in,
+    nanoseconds since the epoch."""
+    stamp = props.get("timestamp")
+    if stamp is None:
+        headers = props.get("headers")
+        ts = headers.get("ts") if headers else None
+        if type(ts) is int and ts >= 0:
+            return ts // 1_000_000
+    return stamp
 
 
 QUEUE_COLUMN = COLUMNS.index("queue")
