@@ -934,12 +934,17 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
         send = sender.send
         n = 0
         for batch in batches:
-            # Columns are looked up once per batch, never per row.
+            # Columns are looked up once per batch, never per row; a column
+            # that is null throughout (say, carried over from a read) sets nothing.
             names = batch.schema.names
             bodies = _body_column(batch.column(names.index("body")))
             rows = len(bodies)
-            column = {name: batch.column(i) for i, name in enumerate(names)}
-            ids = column["message_id"].to_pylist() if "message_id" in column else [None] * rows
+            column = {name: batch.column(i) for i, name in enumerate(names)
+                      if name == "body" or batch.column(i).null_count < rows}
+            if "message_id" in column:
+                ids = [mid or f"{id_prefix}-{n + i}" for i, mid in enumerate(column["message_id"].to_pylist())]
+            else:
+                ids = [f"{id_prefix}-{i}" for i in range(n, n + rows)]
             extra = {}
             if keyed and "routing_key" in column:
                 extra["routing_key"] = column["routing_key"].to_pylist()
@@ -949,12 +954,11 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
             if "headers" in column:
                 extra["headers"] = _headers_column(column["headers"])
             if not extra:
-                for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}")
+                # One run of transfers, an id each: the broker takes it whole (native/transfers.h).
+                await sender.send_many(bodies, message_ids=ids)
             else:
                 for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}",
-                               **{name: values[i] for name, values in extra.items()})
+                    await send(body, message_id=ids[i], **{name: values[i] for name, values in extra.items()})
             n += rows
         with trio.fail_after(opts.send_timeout or math.inf):
             await sender.sync()
