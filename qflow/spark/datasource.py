@@ -47,7 +47,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 import qflow
-from qflow.client.message import columns as message_columns
+from qflow.client.message import arrow_columns
 from qflow.protocol.ranges import RangeSet
 
 try:  # pyspark >= 4.2: admission control and Trigger.AvailableNow for Python sources
@@ -472,12 +472,13 @@ READ_CAPACITY = 2000  # a reading task's credit window (messages in flight to it
 
 
 class _Columns:
-    """One Arrow batch's worth of messages, column by column."""
+    """One Arrow batch's worth of messages, as the Arrow arrays
+    qflow.client.message.arrow_columns makes of each fetch."""
 
-    __slots__ = ("cols", "nbytes", "rows")
+    __slots__ = ("chunks", "nbytes", "rows")
 
     def __init__(self) -> None:
-        self.cols: tuple[list, ...] = tuple([] for _ in COLUMNS)
+        self.chunks: list[tuple] = []
         self.nbytes = 0
         self.rows = 0
 
@@ -485,34 +486,46 @@ class _Columns:
         return self.rows
 
     def add(self, messages: list[qflow.ReceivedMessage]) -> None:
-        body, rk, ex, mid, cid, ct, hdr, sq, red = self.cols
-        bodies, exchanges, keys, props, seqs, redelivered = message_columns(messages)
-        body += bodies
-        self.nbytes += sum(map(len, bodies))
-        self.rows += len(bodies)
-        ex += exchanges
-        rk += keys
-        sq += seqs
-        red += redelivered
-        if not any(props):  # the usual case: no properties at all
-            nones = [None] * len(bodies)
-            mid += nones
-            cid += nones
-            ct += nones
-            hdr += nones
+        if not messages:
             return
-        mid += [p.get("message_id") for p in props]
-        cid += [p.get("correlation_id") for p in props]
-        ct += [p.get("content_type") for p in props]
-        hdr += [_headers(p.get("headers")) for p in props]
+        chunk = arrow_columns(messages)
+        self.chunks.append(chunk)
+        self.nbytes += chunk[0].nbytes
+        self.rows += len(chunk[0])
 
     def batch(self, indices: list[int] | None) -> Any:
         import pyarrow as pa
 
         types = _arrow_types()
         which = range(len(COLUMNS)) if indices is None else indices
-        return pa.RecordBatch.from_arrays([pa.array(self.cols[i], types[i]) for i in which],
-                                          names=[COLUMNS[i] for i in which])
+        columns = []
+        for i in which:
+            parts = [_column(i, chunk, types[i]) for chunk in self.chunks]
+            columns.append(parts[0] if len(parts) == 1 else pa.concat_arrays(parts))
+        return pa.RecordBatch.from_arrays(columns, names=[COLUMNS[i] for i in which])
+
+
+# Where each column comes from: a message's own array (body, sequence, redelivered), or its head.
+_FROM_HEAD = {1: lambda h: h[1], 2: lambda h: h[0], 3: lambda h: h[2].get("message_id"),
+              4: lambda h: h[2].get("correlation_id"), 5: lambda h: h[2].get("content_type"),
+              6: lambda h: _headers(h[2].get("headers"))}
+
+
+def _column(i: int, chunk: tuple, type_: Any) -> Any:
+    """Column ``i`` (of COLUMNS) of one arrow_columns chunk."""
+    import pyarrow as pa
+
+    bodies, seqs, redelivered, index, heads = chunk
+    if i == 0:
+        return bodies
+    if i == 7:
+        return seqs
+    if i == 8:
+        return redelivered
+    values = pa.array([_FROM_HEAD[i](h) for h in heads], type_)
+    if len(heads) > 1:
+        return values.take(index)
+    return pa.repeat(values[0], len(index)) if values[0].is_valid else pa.nulls(len(index), type_)
 
 
 def _headers(headers: dict | None) -> dict[str, str | None] | None:
@@ -565,6 +578,19 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
                 delivered = await receiver.fetch_many(timeout=POLL)
             except qflow.Empty:
                 break
+            first, last = delivered[0].sequence, delivered[-1].sequence
+            if first == nxt and last <= hi and last - first == len(delivered) - 1:
+                # The usual case: all of them, the next wanted numbers in a row.
+                cols.add(delivered)
+                nxt = last + 1
+                if nxt > hi:
+                    ri += 1
+                    if ri < n:
+                        nxt, hi = ranges[ri]
+                if len(cols) >= BATCH_ROWS or cols.nbytes >= BATCH_BYTES:
+                    await emit(cols)
+                    cols = _Columns()
+                continue
             taken: list[qflow.ReceivedMessage] = []
             for m in delivered:
                 seq = m.sequence
