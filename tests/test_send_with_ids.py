@@ -122,3 +122,29 @@ async def test_persistent_messages_sent_with_ids_survive_a_sigkill(tmp_path: Pat
         got = await browse(ssn, "durable-ids")
         assert [(m.body, m.message_id, m.durable) for m in got] == \
             [(b"%d" % i, mid, True) for i, mid in enumerate(ids)]
+
+
+async def test_a_message_with_an_id_too_large_for_the_frame_is_refused_and_those_before_it_sent(nursery):
+    """As send_many without ids: a transfer over the negotiated frame size
+    would end the connection, so the client refuses it, naming the limit;
+    the messages before it are sent, it and those after it are not, and the
+    session carries on. A body that fits only with a short id fits with it."""
+    from tests.conftest import start_broker
+
+    served = await start_broker(nursery, max_frame_size=8192)
+    async with qflow.open_connection("127.0.0.1", served.port) as conn:
+        ssn = await conn.session()
+        await ssn.declare_queue("q")
+        sender = ssn.sender("q", capacity=10)
+        with pytest.raises(qflow.ResourceLimitExceeded) as err:
+            await sender.send_many([b"a", b"b", b"y" * 9000, b"c"], message_ids=["1", "2", "3", "4"])
+        assert "message too large" in err.value.text and "at most 8192 bytes" in err.value.text
+        near = b"z" * (8192 - 40)
+        await sender.send_many([near, b"d"], message_ids=["5", "6"])  # over the surely-fits bound, but fits
+        with pytest.raises(qflow.ResourceLimitExceeded):
+            await sender.send_many([near], message_ids=["x" * 200])  # the id makes it too large
+        await sender.sync()
+        assert sender.incomplete == 0
+        got = await _all(await ssn.receiver("q"), 4)
+        assert [(m.body, m.message_id) for m in got] == [(b"a", "1"), (b"b", "2"), (near, "5"), (b"d", "6")]
+        assert (await ssn.query_queue("q"))["msgTotalEnqueues"] == 4

@@ -68,9 +68,9 @@ def _check_ids(bodies: Iterable[Any], ids: Sequence[Any], message_id: str | None
         ids = list(ids)
     if len(ids) != len(bodies):
         raise ValueError(f"send_many: {len(bodies)} bodies but {len(ids)} message ids; nothing sent")
-    for i, mid in enumerate(ids):
-        if type(mid) is not str:
-            raise ValueError(f"send_many: message_ids[{i}] is {type(mid).__name__}, not str; nothing sent")
+    if not set(map(type, ids)) <= {str}:
+        i = next(i for i, mid in enumerate(ids) if type(mid) is not str)
+        raise ValueError(f"send_many: message_ids[{i}] is {type(ids[i]).__name__}, not str; nothing sent")
     return bodies, ids
 
 
@@ -317,35 +317,40 @@ class Sender:
 
     def _write_id_run(self, bodies: Sequence[Any], ids: Sequence[str], around: tuple[bytes, bytes]) -> None:
         """_write_run for messages with an id each: ``before + id + after``
-        (qflow.protocol.encodings.transfer_prefix_around_id), then the body."""
+        (qflow.protocol.encodings.transfer_prefix_around_id), the bin header
+        and the body, written as one piece per message."""
         before, after = around
         parts = self._parts
         if not parts:
             self._conn._wake.set()
         append = parts.append
-        start = len(parts)
-        # The largest body that fits whatever the id: the frame's size less the
-        # head, the id, the str and bin headers (5 each at most).
+        # The largest body and id that surely fit the frame: less the head, and the str and
+        # bin headers (5 bytes each at most); past that, _check_size says.
         room = self._conn.max_frame_size - len(before) - len(after) - 10
+        id_len = body_len = -1
+        head_id = tail = b""
+        sent = 0
         for body, mid in zip(bodies, ids, strict=True):
             if type(body) is not bytes:
                 body = _to_bytes(body)
             encoded = mid.encode()
-            n = len(body)
-            if n + len(encoded) > room:
-                head = before + str_header(len(encoded)) + encoded + after
+            if len(encoded) != id_len:  # ids of one length, bodies of one size: the rule
+                id_len = len(encoded)
+                head_id = before + str_header(id_len)
+            if len(body) != body_len:
+                body_len = len(body)
+                tail = after + bin_header(body_len)
+            if body_len + id_len > room:
                 try:
-                    self._check_size(n, head)
+                    self._check_size(body_len, head_id + encoded + after)
                 except ResourceLimitExceeded:
-                    sent = (len(parts) - start) // 2
-                    self._commands.send_run(self, sent)
+                    self._commands.send_run(self, sent)  # those before it go, numbered; it and the rest do not
                     self.incomplete += sent
                     raise
-            append(before + str_header(len(encoded)) + encoded + after + bin_header(n))
-            append(body)
-        n = len(bodies)
-        self._commands.send_run(self, n)
-        self.incomplete += n
+            append(head_id + encoded + tail + body)
+            sent += 1
+        self._commands.send_run(self, sent)
+        self.incomplete += sent
         if self.incomplete > self.max_incomplete:
             self.max_incomplete = self.incomplete
 
