@@ -193,7 +193,7 @@ def spark_alone_read(spark, n: int) -> float:
         def read(self, part):
             import pyarrow as pa
 
-            k = 4096
+            k = 32768  # as a read task's batches, once past its first
             cols = [[BODY] * k, [""] * k, ["br"] * k, *[[None] * k] * 4, list(range(k)), [False] * k]
             batch = pa.RecordBatch.from_arrays([pa.array(c, t) for c, t in zip(cols, _arrow_types(), strict=True)],
                                                names=list(COLUMNS))
@@ -215,13 +215,13 @@ def spark_alone_read(spark, n: int) -> float:
 
     spark.dataSource.register(Alone)
     best = 0.0
-    for _ in range(2):  # the first also warms it up
+    for _ in range(3):  # the best of three (the first also warms it up): a ceiling
         t0 = time.perf_counter()
         row = spark.read.format("qflow-bench-alone").load() \
             .selectExpr("count(*) AS n", "sum(length(body)) AS bytes").collect()[0]
         rate = n / (time.perf_counter() - t0)
         assert (row.n, row.bytes) == (n, n * len(BODY)), row
-        best = rate
+        best = max(best, rate)
     return best
 
 
