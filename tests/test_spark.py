@@ -29,6 +29,8 @@ from qflow.spark.datasource import (  # noqa: E402
     ReadOptions,
     SequenceSet,
     WriteOptions,
+    _intersect,
+    _minus,
     describe,
     parse_broker,
     split_sequences,
@@ -222,6 +224,23 @@ def test_split_sequences() -> None:
     assert len(parts([(1, 1_000_000)], None)) == 8
     assert parts([(1, 5)], None, per_part=2) == [[(1, 2)], [(3, 4)], [(5, 5)]]
     assert describe(RangeSet([(5, 7), (9, 9)])) == "5..7, 9"
+
+
+def test_minus_and_intersect_of_sequence_sets_go_range_by_range() -> None:
+    """What a plan finds missing and what a re-browse finds gone or still
+    there: the same as set difference and intersection, for any two sets,
+    without a step per number (a million-number range is one range)."""
+    import random
+
+    rng = random.Random(15)
+    for _ in range(300):
+        a = RangeSet((f, f + rng.randrange(6)) for f in rng.sample(range(60), rng.randrange(6)))
+        b = RangeSet((f, f + rng.randrange(6)) for f in rng.sample(range(60), rng.randrange(6)))
+        assert set(_minus(a, b)) == set(a) - set(b), (a, b)
+        assert set(_intersect(a, b)) == set(a) & set(b), (a, b)
+    huge = RangeSet([(1, 10**9)])
+    assert list(_minus(huge, RangeSet([(5, 10**9 - 1)])).ranges()) == [(1, 4), (10**9, 10**9)]
+    assert list(_intersect(huge, RangeSet([(7, 8), (10**9, 2 * 10**9)])).ranges()) == [(7, 8), (10**9, 10**9)]
 
 
 def test_everything_pickles() -> None:

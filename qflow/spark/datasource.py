@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -547,12 +549,29 @@ def _arrow_types() -> tuple:
 
 
 def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
+    """The numbers of ``a`` not in ``b``, range by range (a batch plans
+    hundreds of thousands of numbers: never one by one)."""
     out = RangeSet()
+    theirs = list(b.ranges())
+    j = 0
     for first, last in a.ranges():
-        for s in range(first, last + 1):
-            if s not in b:
-                out.add(s)
+        while j < len(theirs) and theirs[j][1] < first:
+            j += 1
+        at = first
+        k = j
+        while k < len(theirs) and theirs[k][0] <= last:
+            if theirs[k][0] > at:
+                out.add_range(at, theirs[k][0] - 1)
+            at = max(at, theirs[k][1] + 1)
+            k += 1
+        if at <= last:
+            out.add_range(at, last)
     return out
+
+
+def _intersect(a: RangeSet, b: RangeSet) -> RangeSet:
+    """The numbers in both ``a`` and ``b``, range by range."""
+    return _minus(a, _minus(a, b))
 
 
 async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str, wanted: RangeSet,
@@ -645,10 +664,8 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
         if now["incarnation"] != incarnation:
             gone.update(skipped)
             break
-        pending = RangeSet()
-        for first, end in skipped.ranges():
-            for seq in range(first, end + 1):
-                (pending if seq in now["sequences"] else gone).add(seq)
+        pending = _intersect(skipped, now["sequences"])
+        gone.update(_minus(skipped, now["sequences"]))
     return gone
 
 
@@ -701,7 +718,7 @@ def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
 
     def run() -> None:
         try:
-            trio.run(_read_task, opts, incarnation, sequences, indices, put)
+            _profiled(f"read-{opts.queue}", trio.run, _read_task, opts, incarnation, sequences, indices, put)
             result: Any = _DONE
         except _Stopped:
             return
@@ -727,6 +744,28 @@ def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
     finally:
         stop.set()
         thread.join(timeout=opts.endpoint.connect_timeout + 5)
+
+
+PROFILE_ENV = "QFLOW_SPARK_PROFILE"
+
+
+def _profiled(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; with $QFLOW_SPARK_PROFILE set to a directory, under
+    cProfile, its stats written there (``NAME-PID-TIME.prof``, for pstats): where a
+    task's time goes, measured inside Spark's Python worker. Once per task."""
+    directory = os.environ.get(PROFILE_ENV)
+    if not directory:
+        return fn(*args)
+    import cProfile
+
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    try:
+        return profile.runcall(fn, *args)
+    finally:
+        path = os.path.join(directory, f"{name}-{os.getpid()}-{started:.6f}.prof")
+        profile.dump_stats(path)
+        log.warning("qflow: %s took %.3f s; profile in %s", name, time.perf_counter() - started, path)
 
 
 class _Stopped(Exception):
@@ -1041,7 +1080,7 @@ class _Writer:
     def write(self, iterator: Iterator[Any]) -> QflowCommitMessage:
         partition, batch = self._batch()
         prefix = f"{batch}-{partition}"
-        n = _run(_send_batches, self.opts, iterator, prefix)
+        n = _profiled(f"write-{self.opts.address}", _run, _send_batches, self.opts, iterator, prefix)
         return QflowCommitMessage(partition, n, prefix)
 
     @staticmethod
