@@ -62,6 +62,16 @@ async def test_send_many_with_message_ids_gives_each_message_its_own(running, ss
         [(body, mid, "text/plain") for body, mid in zip(bodies, ids, strict=True)]
 
 
+async def test_a_paced_sender_sends_each_message_with_its_id(running, ssn):
+    """A sender with a rate sends one message at a time (send_many's pacing rule), each with its id."""
+    await ssn.declare_queue("paced")
+    sender = ssn.sender("paced", capacity=5, rate=10_000)
+    assert await sender.send_many((b"%d" % i for i in range(6)), message_ids=[f"p-{i}" for i in range(6)]) == 6
+    await sender.sync()
+    got = await _all(await ssn.receiver("paced"), 6)
+    assert [(m.body, m.message_id) for m in got] == [(b"%d" % i, f"p-{i}") for i in range(6)]
+
+
 @pytest.mark.parametrize("kwargs, error", [
     ({"message_ids": ["a"]}, "3 bodies but 1 message ids; nothing sent"),
     ({"message_ids": ["a", None, "c"]}, "message_ids[1] is NoneType, not str; nothing sent"),
