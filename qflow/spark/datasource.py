@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +49,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 import qflow
-from qflow.client.message import columns as message_columns
+from qflow.client.message import arrow_columns
 from qflow.protocol.ranges import RangeSet
 
 try:  # pyspark >= 4.2: admission control and Trigger.AvailableNow for Python sources
@@ -466,18 +468,24 @@ def split_sequences(sequences: RangeSet, parts: int | None, per_part: int = MESS
 
 
 POLL = 0.2  # seconds a reading task waits for its next message before asking the broker what is left
-BATCH_ROWS = 4096  # rows per Arrow batch a reading task hands to Spark ...
+# Rows per Arrow batch a reading task hands to Spark: the first batch is small, so
+# that the first rows come soon; each next one is 4 times larger, up to BATCH_ROWS
+# (Spark's cost per batch is a fifth of the rows' at 4096 rows of 64 bytes, measured
+# with a source of pre-built batches) ...
+FIRST_BATCH_ROWS = 1024
+BATCH_ROWS = 32768
 BATCH_BYTES = 4 << 20  # ... or fewer, once their bodies reach this many bytes
 READ_CAPACITY = 2000  # a reading task's credit window (messages in flight to it)
 
 
 class _Columns:
-    """One Arrow batch's worth of messages, column by column."""
+    """One Arrow batch's worth of messages, as the Arrow arrays
+    qflow.client.message.arrow_columns makes of each fetch."""
 
-    __slots__ = ("cols", "nbytes", "rows")
+    __slots__ = ("chunks", "nbytes", "rows")
 
     def __init__(self) -> None:
-        self.cols: tuple[list, ...] = tuple([] for _ in COLUMNS)
+        self.chunks: list[tuple] = []
         self.nbytes = 0
         self.rows = 0
 
@@ -485,34 +493,46 @@ class _Columns:
         return self.rows
 
     def add(self, messages: list[qflow.ReceivedMessage]) -> None:
-        body, rk, ex, mid, cid, ct, hdr, sq, red = self.cols
-        bodies, exchanges, keys, props, seqs, redelivered = message_columns(messages)
-        body += bodies
-        self.nbytes += sum(map(len, bodies))
-        self.rows += len(bodies)
-        ex += exchanges
-        rk += keys
-        sq += seqs
-        red += redelivered
-        if not any(props):  # the usual case: no properties at all
-            nones = [None] * len(bodies)
-            mid += nones
-            cid += nones
-            ct += nones
-            hdr += nones
+        if not messages:
             return
-        mid += [p.get("message_id") for p in props]
-        cid += [p.get("correlation_id") for p in props]
-        ct += [p.get("content_type") for p in props]
-        hdr += [_headers(p.get("headers")) for p in props]
+        chunk = arrow_columns(messages)
+        self.chunks.append(chunk)
+        self.nbytes += chunk[0].nbytes
+        self.rows += len(chunk[0])
 
     def batch(self, indices: list[int] | None) -> Any:
         import pyarrow as pa
 
         types = _arrow_types()
         which = range(len(COLUMNS)) if indices is None else indices
-        return pa.RecordBatch.from_arrays([pa.array(self.cols[i], types[i]) for i in which],
-                                          names=[COLUMNS[i] for i in which])
+        columns = []
+        for i in which:
+            parts = [_column(i, chunk, types[i]) for chunk in self.chunks]
+            columns.append(parts[0] if len(parts) == 1 else pa.concat_arrays(parts))
+        return pa.RecordBatch.from_arrays(columns, names=[COLUMNS[i] for i in which])
+
+
+# Where each column comes from: a message's own array (body, sequence, redelivered), or its head.
+_FROM_HEAD = {1: lambda h: h[1], 2: lambda h: h[0], 3: lambda h: h[2].get("message_id"),
+              4: lambda h: h[2].get("correlation_id"), 5: lambda h: h[2].get("content_type"),
+              6: lambda h: _headers(h[2].get("headers"))}
+
+
+def _column(i: int, chunk: tuple, type_: Any) -> Any:
+    """Column ``i`` (of COLUMNS) of one arrow_columns chunk."""
+    import pyarrow as pa
+
+    bodies, seqs, redelivered, index, heads = chunk
+    if i == 0:
+        return bodies
+    if i == 7:
+        return seqs
+    if i == 8:
+        return redelivered
+    values = pa.array([_FROM_HEAD[i](h) for h in heads], type_)
+    if len(heads) > 1:
+        return values.take(index)
+    return pa.repeat(values[0], len(index)) if values[0].is_valid else pa.nulls(len(index), type_)
 
 
 def _headers(headers: dict | None) -> dict[str, str | None] | None:
@@ -529,12 +549,29 @@ def _arrow_types() -> tuple:
 
 
 def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
+    """The numbers of ``a`` not in ``b``, range by range (a batch plans
+    hundreds of thousands of numbers: never one by one)."""
     out = RangeSet()
+    theirs = list(b.ranges())
+    j = 0
     for first, last in a.ranges():
-        for s in range(first, last + 1):
-            if s not in b:
-                out.add(s)
+        while j < len(theirs) and theirs[j][1] < first:
+            j += 1
+        at = first
+        k = j
+        while k < len(theirs) and theirs[k][0] <= last:
+            if theirs[k][0] > at:
+                out.add_range(at, theirs[k][0] - 1)
+            at = max(at, theirs[k][1] + 1)
+            k += 1
+        if at <= last:
+            out.add_range(at, last)
     return out
+
+
+def _intersect(a: RangeSet, b: RangeSet) -> RangeSet:
+    """The numbers in both ``a`` and ``b``, range by range."""
+    return _minus(a, _minus(a, b))
 
 
 async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str, wanted: RangeSet,
@@ -547,6 +584,7 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
         return wanted
     pending = wanted
     gone = RangeSet()
+    rows = FIRST_BATCH_ROWS
     while pending:
         ranges = list(pending.ranges())
         n = len(ranges)
@@ -565,6 +603,20 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
                 delivered = await receiver.fetch_many(timeout=POLL)
             except qflow.Empty:
                 break
+            first_seq, last_seq = delivered[0].sequence, delivered[-1].sequence
+            if first_seq == nxt and last_seq <= hi and last_seq - first_seq == len(delivered) - 1:
+                # The usual case: all of them, the next wanted numbers in a row.
+                cols.add(delivered)
+                nxt = last_seq + 1
+                if nxt > hi:
+                    ri += 1
+                    if ri < n:
+                        nxt, hi = ranges[ri]
+                if len(cols) >= rows or cols.nbytes >= BATCH_BYTES:
+                    await emit(cols)
+                    cols = _Columns()
+                    rows = min(4 * rows, BATCH_ROWS)
+                continue
             taken: list[qflow.ReceivedMessage] = []
             for m in delivered:
                 seq = m.sequence
@@ -590,9 +642,10 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
                         break
                     nxt, hi = ranges[ri]
             cols.add(taken)
-            if len(cols) >= BATCH_ROWS or cols.nbytes >= BATCH_BYTES:
+            if len(cols) >= rows or cols.nbytes >= BATCH_BYTES:
                 await emit(cols)
                 cols = _Columns()
+                rows = min(4 * rows, BATCH_ROWS)
         if len(cols):
             await emit(cols)
         if ri < n:  # nothing more came: the rest of the wanted numbers are not here (yet)
@@ -611,10 +664,8 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
         if now["incarnation"] != incarnation:
             gone.update(skipped)
             break
-        pending = RangeSet()
-        for first, end in skipped.ranges():
-            for seq in range(first, end + 1):
-                (pending if seq in now["sequences"] else gone).add(seq)
+        pending = _intersect(skipped, now["sequences"])
+        gone.update(_minus(skipped, now["sequences"]))
     return gone
 
 
@@ -667,7 +718,7 @@ def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
 
     def run() -> None:
         try:
-            trio.run(_read_task, opts, incarnation, sequences, indices, put)
+            _profiled(f"read-{opts.queue}", trio.run, _read_task, opts, incarnation, sequences, indices, put)
             result: Any = _DONE
         except _Stopped:
             return
@@ -693,6 +744,28 @@ def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
     finally:
         stop.set()
         thread.join(timeout=opts.endpoint.connect_timeout + 5)
+
+
+PROFILE_ENV = "QFLOW_SPARK_PROFILE"
+
+
+def _profiled(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; with $QFLOW_SPARK_PROFILE set to a directory, under
+    cProfile, its stats written there (``NAME-PID-TIME.prof``, for pstats): where a
+    task's time goes, measured inside Spark's Python worker. Once per task."""
+    directory = os.environ.get(PROFILE_ENV)
+    if not directory:
+        return fn(*args)
+    import cProfile
+
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    try:
+        return profile.runcall(fn, *args)
+    finally:
+        path = os.path.join(directory, f"{name}-{os.getpid()}-{started:.6f}.prof")
+        profile.dump_stats(path)
+        log.warning("qflow: %s took %.3f s; profile in %s", name, time.perf_counter() - started, path)
 
 
 class _Stopped(Exception):
@@ -934,12 +1007,17 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
         send = sender.send
         n = 0
         for batch in batches:
-            # Columns are looked up once per batch, never per row.
+            # Columns are looked up once per batch, never per row; a column
+            # that is null throughout (say, carried over from a read) sets nothing.
             names = batch.schema.names
             bodies = _body_column(batch.column(names.index("body")))
             rows = len(bodies)
-            column = {name: batch.column(i) for i, name in enumerate(names)}
-            ids = column["message_id"].to_pylist() if "message_id" in column else [None] * rows
+            column = {name: batch.column(i) for i, name in enumerate(names)
+                      if name == "body" or batch.column(i).null_count < rows}
+            if "message_id" in column:
+                ids = [mid or f"{id_prefix}-{n + i}" for i, mid in enumerate(column["message_id"].to_pylist())]
+            else:
+                ids = [f"{id_prefix}-{i}" for i in range(n, n + rows)]
             extra = {}
             if keyed and "routing_key" in column:
                 extra["routing_key"] = column["routing_key"].to_pylist()
@@ -949,12 +1027,11 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
             if "headers" in column:
                 extra["headers"] = _headers_column(column["headers"])
             if not extra:
-                for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}")
+                # One run of transfers, an id each: the broker takes it whole (native/transfers.h).
+                await sender.send_many(bodies, message_ids=ids)
             else:
                 for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i] or f"{id_prefix}-{n + i}",
-                               **{name: values[i] for name, values in extra.items()})
+                    await send(body, message_id=ids[i], **{name: values[i] for name, values in extra.items()})
             n += rows
         with trio.fail_after(opts.send_timeout or math.inf):
             await sender.sync()
@@ -1003,7 +1080,7 @@ class _Writer:
     def write(self, iterator: Iterator[Any]) -> QflowCommitMessage:
         partition, batch = self._batch()
         prefix = f"{batch}-{partition}"
-        n = _run(_send_batches, self.opts, iterator, prefix)
+        n = _profiled(f"write-{self.opts.address}", _run, _send_batches, self.opts, iterator, prefix)
         return QflowCommitMessage(partition, n, prefix)
 
     @staticmethod
