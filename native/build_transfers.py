@@ -28,6 +28,9 @@ typedef struct qf_run {
     size_t exchange, exchange_len;
     size_t routing_key, routing_key_len;
     size_t properties, properties_len;
+    size_t id_at;
+    size_t rest_len;
+    unsigned varied;
     unsigned channel;
 } qf_run;
 
@@ -40,11 +43,11 @@ typedef struct qf_stored {
 
 size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
                          qf_run *run);
-void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count,
+void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count,
                         uint64_t max_bytes, uint64_t first_seq, int64_t session, int64_t first_command,
                         int64_t queue, uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out);
-void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
+void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count, int64_t session,
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops);
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);

@@ -115,6 +115,45 @@ static const uint8_t *take_body(const uint8_t *p, const uint8_t *end, uint64_t *
     return p + *size;
 }
 
+/* The "message_id" key as the client encodes it, first in a properties map. */
+static const uint8_t ID_KEY[11] = {0xaa, 'm', 'e', 's', 's', 'a', 'g', 'e', '_', 'i', 'd'};
+
+/* The length of the str at p if it is a fixstr or str8 of ASCII bytes only
+ * (so valid UTF-8, as the Python decoder would require), else 0. */
+static size_t ascii_str(const uint8_t *p, const uint8_t *end)
+{
+    size_t head, n;
+    if (p >= end)
+        return 0;
+    if (*p >= 0xa0 && *p <= 0xbf) {
+        head = 1;
+        n = *p & 0x1f;
+    } else if (*p == 0xd9 && end - p >= 2) {
+        head = 2;
+        n = p[1];
+    } else {
+        return 0;
+    }
+    if ((size_t)(end - p) < head + n)
+        return 0;
+    for (size_t i = head; i < head + n; i++)
+        if (p[i] & 0x80)
+            return 0;
+    return head + n;
+}
+
+/* The key's length of a frame of the run whose key starts at key. */
+static size_t key_len_at(const qf_run *run, const uint8_t *key)
+{
+    if (!run->varied)
+        return run->key_len;
+    {
+        const uint8_t *v = key + run->id_at;
+        size_t n = *v >= 0xa0 && *v <= 0xbf ? 1 + (*v & 0x1f) : 2 + (size_t)v[1];
+        return run->id_at + n + run->rest_len;
+    }
+}
+
 size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
                          qf_run *run)
 {
@@ -122,7 +161,7 @@ size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
     const uint8_t *p = buf + pos;
     const uint8_t *key, *q, *frame_end;
     uint64_t size;
-    size_t n = 0;
+    size_t n = 0, id_len = 0;
     if (pos >= len || len - pos < 3 || p[0] != 0x96 || p[1] != 0x1e || p[2] > 0x7f || max_count == 0)
         return 0;
     key = p + 2;
@@ -131,6 +170,8 @@ size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
         || !take_str(&q, end, buf, &run->routing_key, &run->routing_key_len))
         return 0;
     run->properties = (size_t)(q - buf);
+    run->id_at = 0;
+    run->rest_len = 0;
     if (q < end && *q == 0xc0) {
         q += 1;
     } else {
@@ -140,17 +181,42 @@ size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
         m = skip_object(q, end);
         if (m == 0)
             return 0;
+        /* A fixmap whose first key is "message_id" with an ASCII str value:
+         * the run may go on through frames that differ from this one only in
+         * that value (each message its own id, as a Spark writer sends them). */
+        if (*q >= 0x81 && *q <= 0x8f && m >= 1 + sizeof ID_KEY && memcmp(q + 1, ID_KEY, sizeof ID_KEY) == 0) {
+            const uint8_t *v = q + 1 + sizeof ID_KEY;
+            id_len = ascii_str(v, q + m);
+            if (id_len) {
+                run->id_at = (size_t)(v - key);
+                run->rest_len = (size_t)(q + m - (v + id_len));
+            }
+        }
         q += m;
     }
     run->properties_len = (size_t)(q - buf) - run->properties;
     run->key_len = (size_t)(q - key);
     run->channel = key[0];
+    run->varied = 0;
     while (n < max_count) {
-        if (end - p < 2 || p[0] != 0x96 || p[1] != 0x1e || (size_t)(end - (p + 2)) < run->key_len)
+        size_t klen = run->key_len;
+        if (end - p < 2 || p[0] != 0x96 || p[1] != 0x1e)
             break;
-        if (n && memcmp(p + 2, key, run->key_len) != 0)
+        if (n && ((size_t)(end - (p + 2)) < klen || memcmp(p + 2, key, klen) != 0)) {
+            /* Not the same key: the same but for the message id? */
+            const uint8_t *v = p + 2 + run->id_at;
+            if (run->id_at == 0 || (size_t)(end - (p + 2)) < run->id_at || memcmp(p + 2, key, run->id_at) != 0)
+                break;
+            id_len = ascii_str(v, end);
+            if (id_len == 0 || (size_t)(end - (v + id_len)) < run->rest_len
+                || memcmp(v + id_len, key + run->key_len - run->rest_len, run->rest_len) != 0)
+                break;
+            klen = run->id_at + id_len + run->rest_len;
+            run->varied = 1;
+        } else if ((size_t)(end - (p + 2)) < klen) {
             break;
-        frame_end = take_body(p + 2 + run->key_len, end, &size);
+        }
+        frame_end = take_body(p + 2 + klen, end, &size);
         if (frame_end == NULL || (size_t)(frame_end - p) > max_frame)
             break;
         p = frame_end;
@@ -178,7 +244,7 @@ static void put_be64(uint8_t *p, uint64_t v)
     }
 }
 
-void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, uint64_t max_bytes,
+void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count, uint64_t max_bytes,
                         uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
                         uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out)
@@ -188,7 +254,7 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
     uint64_t bytes = 0, body, size;
     size_t e = 0, i;
     for (i = 0; i < count; i++) {
-        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &body);
+        const uint8_t *frame_end = take_body(p + 2 + key_len_at(run, p + 2), end, &body);
         size_t tail;
         if (frame_end == NULL)  /* not a scanned run */
             break;
@@ -219,7 +285,7 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
     out->entry_bytes = e;
 }
 
-void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
+void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count, int64_t session,
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops)
 {
@@ -227,7 +293,7 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, s
     const uint8_t *p = buf + pos;
     uint64_t body, size;
     for (size_t i = 0; i < count; i++) {
-        const uint8_t *frame_end = take_body(p + 2 + key_len, end, &body);
+        const uint8_t *frame_end = take_body(p + 2 + key_len_at(run, p + 2), end, &body);
         if (frame_end == NULL)  /* not a scanned run: the caller stored fewer */
             return;
         size = message_size((uint64_t)(frame_end - p) - 3, body);

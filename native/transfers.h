@@ -10,7 +10,11 @@
  * encoded as a fixarray of 6, the code 30, the channel as a positive fixint,
  * exchange and routing key as msgpack str, properties as nil or a map, and
  * the body as msgpack bin; every frame of a run has the same bytes from the
- * channel through the properties (the run's *key*). Anything else ends a run,
+ * channel through the properties (the run's *key*), except that when the
+ * first frame's properties are a map whose first key is "message_id" with an
+ * ASCII str value (fixstr or str8), the frames may differ in that value alone
+ * (each message its own id, as a writer that lets consumers drop duplicates
+ * sends them: qflow.client.Sender.send_many's message_ids). Anything else ends a run,
  * and the Python decoder takes the frame: it decodes, checks and reports
  * errors for every frame, so nothing here needs to.
  *
@@ -41,6 +45,9 @@ typedef struct qf_run {
     size_t exchange, exchange_len;        /* offsets of the str payloads in the buffer */
     size_t routing_key, routing_key_len;
     size_t properties, properties_len;    /* the encoded properties (nil: 0xc0) */
+    size_t id_at;          /* in the key, where the message id's str starts (0: no id may vary) */
+    size_t rest_len;       /* the key's bytes after the message id */
+    unsigned varied;       /* 1 if some frame's message id differs from the first's */
     unsigned channel;
 } qf_run;
 
@@ -63,7 +70,7 @@ size_t qf_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
  * first_seq + i and the message's size, then the frame from the exchange on)
  * goes into entries, ending at entry_ends[i], and the op (OP_TRANSFER1,
  * session, first_command + i, queue, size) into ops. */
-void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, uint64_t max_bytes,
+void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count, uint64_t max_bytes,
                         uint64_t first_seq, int64_t session, int64_t first_command, int64_t queue,
                         uint8_t *entries, size_t entries_cap, uint32_t *entry_ends, int64_t *ops,
                         qf_stored *out);
@@ -73,7 +80,7 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, size_t key_l
  * (session, first_command + i), one OP_ENQUEUE (queue, size) per queue, one
  * OP_HOLD (holder) per holder, OP_END; (2 + nq + nh) * QF_OP_WORDS words per
  * frame. The entries come from qf_store_transfers, once per queue. */
-void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, size_t key_len, size_t count, int64_t session,
+void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count, int64_t session,
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops);
 

@@ -112,10 +112,24 @@ def _transfer(channel: int, exchange: str, key: str, props: dict | None, body: b
 
 
 PROPS = [None, None, {"message_id": "m"}, {"bogus": 1}, {"headers": {"x": [1, 2]}}]
+# Ids a run may vary in (ASCII fixstr and str8), and ids that end one (not ASCII: the
+# Python decoder checks its UTF-8; str16; nil; an int, which the broker refuses).
+IDS = ["", "w-0-1", "w-0-22", "i" * 40, "é1", "k" * 300, None, 7]
+ID_REST = [{}, {"durable": True}, {"content_type": "t", "headers": {"h": 1}}, {"bogus": 2}]
+
+
+def _id_burst(channel: int, exchange: str, key: str, rest: dict, ids: list, body: bytes) -> bytes:
+    """Transfers that differ only in their message id (the map's first key), back to back."""
+    return b"".join(_transfer(channel, exchange, key, {"message_id": i, **rest}, body) for i in ids)
+
+
 frame_st = st.one_of(
     st.builds(_transfer, st.sampled_from([0, 0, 1]), st.sampled_from(["", "", "amq.direct", "amq.fanout", "nope"]),
               st.sampled_from(["a", "a", "b", "r", "s", "k", "none"]), st.sampled_from(PROPS),
               st.sampled_from([b"", b"x" * 3, b"y" * 64, b"z" * 300, b"w" * 70_000])),
+    st.builds(_id_burst, st.sampled_from([0, 0, 1]), st.sampled_from(["", "", "amq.fanout"]),
+              st.sampled_from(["a", "b", "r", "s", "h"]), st.sampled_from(ID_REST),
+              st.lists(st.sampled_from(IDS), min_size=1, max_size=6), st.sampled_from([b"", b"y" * 64, b"z" * 300])),
     st.sampled_from([pack([P.SYNC, 0]), pack([P.FLUSH, 0]), pack([P.FLOW, 1, "d", 3, -1]),
                      pack([P.FLOW, 1, "e", 2, -1]), pack([P.ACCEPT, 1, [0, 2]]), pack([P.ACCEPT, 1, [0, 40]])]),
 )
@@ -189,6 +203,45 @@ def test_scan_reads_every_length_encoding():
 ])
 def test_scan_leaves_any_other_frame_to_the_decoder(frame, why):
     assert _scan(frame) == (0, 0), why
+
+
+def test_scan_takes_transfers_that_differ_only_in_their_message_id_as_one_run():
+    """A writer giving each message its own id (for consumers to drop
+    duplicates) still sends one run: the frames may differ in the value of
+    the properties' first key, message_id, an ASCII str; in nothing else."""
+    def t(mid, body=b"abc", **rest):
+        return _transfer(0, "", "q", {"message_id": mid, **rest}, body)
+
+    ids = [t(f"w-0-{i}") for i in (1, 22, 333, 4444)]
+    assert _scan(b"".join(ids)) == (4, sum(map(len, ids)))
+    mixed = [t("a"), t("b" * 31), t("c" * 32), t("d" * 255), t(""), t("e", body=b"x" * 300)]  # fixstr, str8
+    assert _scan(b"".join(mixed)) == (6, sum(map(len, mixed)))
+    durable = [t(f"{i}", durable=True) for i in range(3)]
+    assert _scan(b"".join(durable)) == (3, sum(map(len, durable)))
+    for other, why in [(t("b", durable=True), "another property"), (t("é"), "not ASCII"), (t("k" * 256), "a str16"),
+                       (t(None), "nil"), (_transfer(0, "", "q2", {"message_id": "b"}, b"abc"), "another key"),
+                       (_transfer(0, "", "q", {"durable": False, "message_id": "b"}, b"abc"), "the id not first")]:
+        assert _scan(t("a") + other) == (1, len(t("a"))), why
+    # Where the first frame's id is not one a run may vary in, none may differ.
+    assert _scan(t("é") + t("é") + t("f")) == (2, 2 * len(t("é")))
+
+
+def test_a_run_with_an_id_each_stores_each_message_as_sent_and_sized_so():
+    """Each entry is its own transfer's bytes (its own id), each size counts
+    its own id's length, and the queue's and the accounting's byte depths are
+    their sum, as frame by frame."""
+    frames = [_transfer(0, "", "q", {"message_id": "m" * i, "durable": True}, b"x" * 64) for i in range(40)]
+    chunk = b"".join(frames)
+    sizes, nbytes, acct_bytes, taken = _stored_sizes(True, "", "q", chunk)
+    assert taken == 1  # one run, all 40
+    expected = [len(f) - 3 - 2 for f in frames]  # after [30, channel], less the bin header
+    assert (sizes, nbytes, acct_bytes) == (expected, sum(expected), sum(expected))
+    assert _stored_sizes(False, "", "q", chunk)[:3] == (sizes, nbytes, acct_bytes)
+    runs, by_frame = _run_broker(True, [b"".join(f.replace(b"\xa1q", b"\xa1a", 1) for f in frames)]), \
+        _run_broker(False, [b"".join(f.replace(b"\xa1q", b"\xa1a", 1) for f in frames)])
+    assert runs.pop("scanned_runs") >= 1
+    by_frame.pop("scanned_runs")
+    assert runs == by_frame  # queue a: the same entries, holds (store, disk), completions and deliveries
 
 
 def test_scan_stops_before_a_frame_over_the_limit():

@@ -57,7 +57,7 @@ class TransferRuns:
         stored, bytes of ``buf`` they span, their total size, their queue
         entries, their ops' bytes)."""
         out = self._stored
-        _store(_from_buffer(buf), len(buf), pos, self.run.key_len, count, min(max_bytes, U64_MAX), first_seq,
+        _store(_from_buffer(buf), len(buf), pos, self.run, count, min(max_bytes, U64_MAX), first_seq,
                session, first_command, queue, self._entries, ENTRY_BYTES, self._ends, self._ops, out)
         n = out.count
         if not n:
@@ -81,6 +81,6 @@ class TransferRuns:
         :meth:`store`, called once per queue."""
         words = count * (2 + len(queues) + len(holders)) * lib.QF_OP_WORDS
         ops = ffi.new("int64_t[]", words)
-        _fanout(_from_buffer(buf), len(buf), pos, self.run.key_len, count, session, first_command,
+        _fanout(_from_buffer(buf), len(buf), pos, self.run, count, session, first_command,
                 ffi.new("int64_t[]", queues), len(queues), ffi.new("int64_t[]", holders), len(holders), ops)
         return _buffer(ops, words * 8)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ import trio
 from qflow import protocol as P
 from qflow.client.errors import FlowControlTimeout, QflowError, ResourceLimitExceeded
 from qflow.client.pacing import pace
-from qflow.protocol.encodings import bin_header, transfer_prefix
+from qflow.protocol.encodings import bin_header, str_header, transfer_prefix, transfer_prefix_around_id
 from qflow.protocol.names import printable
 
 if TYPE_CHECKING:
@@ -57,6 +57,23 @@ def _properties(message_id: str | None, correlation_id: str | None, content_type
     if timestamp is not None:
         props["timestamp"] = timestamp
     return props or None
+
+
+def _check_ids(bodies: Iterable[Any], ids: Sequence[Any], message_id: str | None) -> tuple[Sequence[Any],
+                                                                                         Sequence[str]]:
+    """send_many's ``message_ids``, checked before anything is sent."""
+    if message_id is not None:
+        raise ValueError("send_many: give message_id (one for all) or message_ids (one per body), not both")
+    if not isinstance(bodies, (list, tuple)):
+        bodies = list(bodies)
+    if not isinstance(ids, (list, tuple)):
+        ids = list(ids)
+    if len(ids) != len(bodies):
+        raise ValueError(f"send_many: {len(bodies)} bodies but {len(ids)} message ids; nothing sent")
+    if not set(map(type, ids)) <= {str}:
+        i = next(i for i, mid in enumerate(ids) if type(mid) is not str)
+        raise ValueError(f"send_many: message_ids[{i}] is {type(ids[i]).__name__}, not str; nothing sent")
+    return bodies, ids
 
 
 def _head_part(attr: str, doc: str) -> property:
@@ -263,29 +280,43 @@ class Sender:
     async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
                         message_id: str | None = None, correlation_id: str | None = None,
                         content_type: str | None = None, durable: bool | None = None,
-                        headers: dict[str, Any] | None = None, timestamp: int | None = None) -> int:
+                        headers: dict[str, Any] | None = None, timestamp: int | None = None,
+                        message_ids: Sequence[str] | None = None) -> int:
         """Send one message per body, in order, all with the same routing key and
         properties; returns how many were sent. The same as calling ``send`` for
         each body (the capacity still bounds the incomplete transfers, and
         ``send_many`` waits while it is reached), at a fraction of the cost per
         message: transfers are encoded in runs as long as the window allows.
+        ``message_ids``, one str per body, gives each message its own id
+        (instead of ``message_id``, the same for all); the broker still takes
+        such transfers as one run. Raises ValueError, sending nothing, when
+        their numbers differ or an id is not a str.
         A refusal of an earlier transfer is raised, and the bodies not yet sent
         then are not sent. A body too large for the connection's frames raises
         ResourceLimitExceeded: the bodies before it are sent, it and those
         after it are not."""
         if durable is None:
             durable = self._durable
+        if message_ids is not None:
+            bodies, message_ids = _check_ids(bodies, message_ids, message_id)
         if self._interval:  # paced: one at a time is the point
             props = _properties(message_id, correlation_id, content_type, durable, headers, timestamp) or {}
             n = 0
+            ids = iter(message_ids) if message_ids is not None else None
             for body in bodies:
-                await self.send_with(body, props, routing_key=routing_key)
+                # The id first, as the client always writes it (transfer_prefix_around_id).
+                await self.send_with(body, props if ids is None else {"message_id": next(ids), **props},
+                                     routing_key=routing_key)
                 n += 1
             return n
         if self.errors or self.session.error:
             self._raise_errors()
-        head = self._head_for(routing_key, _properties(message_id, correlation_id, content_type, durable, headers,
-                                                       timestamp))
+        props = _properties(message_id, correlation_id, content_type, durable, headers, timestamp)
+        if message_ids is not None:
+            key = self._routing_key if routing_key is None else routing_key
+            around = transfer_prefix_around_id(self.session.channel, self._exchange, key, props)
+            return await self._send_with_ids(bodies, message_ids, around)
+        head = self._head_for(routing_key, props)
         it = iter(bodies)
         sent = 0
         while True:
@@ -303,6 +334,61 @@ class Sender:
             self._write_run(run, head)
             sent += len(run)
             await trio.lowlevel.checkpoint()
+
+    async def _send_with_ids(self, bodies: Sequence[Any], ids: Sequence[str], around: tuple[bytes, bytes]) -> int:
+        """send_many's loop when each message has its own id."""
+        sent, total = 0, len(bodies)
+        while sent < total:
+            if self.errors or self.session.error:
+                self._raise_errors()
+            room = self.capacity - self.incomplete
+            if room <= 0:
+                await self._wait_for_space()
+                continue
+            end = sent + min(room, YIELD_EVERY)
+            self._write_id_run(bodies[sent:end], ids[sent:end], around)
+            sent += len(bodies[sent:end])
+            await trio.lowlevel.checkpoint()
+        return sent
+
+    def _write_id_run(self, bodies: Sequence[Any], ids: Sequence[str], around: tuple[bytes, bytes]) -> None:
+        """_write_run for messages with an id each: ``before + id + after``
+        (qflow.protocol.encodings.transfer_prefix_around_id), the bin header
+        and the body, written as one piece per message."""
+        before, after = around
+        parts = self._parts
+        if not parts:
+            self._conn._wake.set()
+        append = parts.append
+        # The largest body and id that surely fit the frame: less the head, and the str and
+        # bin headers (5 bytes each at most); past that, _check_size says.
+        room = self._conn.max_frame_size - len(before) - len(after) - 10
+        id_len = body_len = -1
+        head_id = tail = b""
+        sent = 0
+        for body, mid in zip(bodies, ids, strict=True):
+            if type(body) is not bytes:
+                body = _to_bytes(body)
+            encoded = mid.encode()
+            if len(encoded) != id_len:  # ids of one length, bodies of one size: the rule
+                id_len = len(encoded)
+                head_id = before + str_header(id_len)
+            if len(body) != body_len:
+                body_len = len(body)
+                tail = after + bin_header(body_len)
+            if body_len + id_len > room:
+                try:
+                    self._check_size(body_len, head_id + encoded + after)
+                except ResourceLimitExceeded:
+                    self._commands.send_run(self, sent)  # those before it go, numbered; it and the rest do not
+                    self.incomplete += sent
+                    raise
+            append(head_id + encoded + tail + body)
+            sent += 1
+        self._commands.send_run(self, sent)
+        self.incomplete += sent
+        if self.incomplete > self.max_incomplete:
+            self.max_incomplete = self.incomplete
 
     def _write_run(self, bodies: list[Any], head: bytes | None) -> None:
         """Number and write a run of transfers, as send does one: each is its

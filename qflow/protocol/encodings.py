@@ -52,6 +52,34 @@ def transfer_prefix(channel: int, exchange: str, routing_key: str, properties: d
         NIL if properties is None else _packb(properties))
 
 
+def str_header(n: int) -> bytes:
+    """msgpack's str header for ``n`` bytes of UTF-8, as the Packer writes it."""
+    if n < 32:
+        return bytes((0xA0 | n,))
+    if n < 0x100:
+        return bytes((0xD9, n))
+    if n < 0x10000:
+        return b"\xda" + n.to_bytes(2, "big")
+    return b"\xdb" + n.to_bytes(4, "big")
+
+
+ID_KEY = _packb("message_id")
+
+
+def transfer_prefix_around_id(channel: int, exchange: str, routing_key: str,
+                              properties: dict[str, Any] | None) -> tuple[bytes, bytes]:
+    """``(before, after)``: a message.transfer whose properties are
+    ``properties`` with a ``message_id`` of its own is ``before``, the id (a
+    msgpack str), ``after``, then the body's :func:`bin_header` and the body.
+    The id is the map's first key, as the client always writes it: frames that
+    differ only there make one run for the broker (native/transfers.h)."""
+    rest = {k: v for k, v in (properties or {}).items() if k != "message_id"}
+    whole = transfer_prefix(channel, exchange, routing_key, {"message_id": "", **rest})
+    at = len(transfer_head(channel) + _packb(exchange) + _packb(routing_key)) + 1 + len(ID_KEY)  # 1: a fixmap
+    assert whole[at - len(ID_KEY):at + 1] == ID_KEY + b"\xa0", "message_id is not the map's first key"
+    return whole[:at], whole[at + 1:]
+
+
 def deliver_head(channel: int, destination: str) -> bytes:
     """message.deliver's first bytes, up to its delivery id: ``[18, channel,
     destination, ...`` (an array of 11)."""

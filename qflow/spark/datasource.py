@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue as _queue
 import re
 import threading
@@ -65,7 +66,7 @@ from pyspark.sql.types import (
 )
 
 import qflow
-from qflow.client.message import columns as message_columns
+from qflow.client.message import arrow_columns
 from qflow.protocol.ranges import RangeSet
 
 try:  # pyspark >= 4.2: admission control and Trigger.AvailableNow for Python sources
@@ -602,19 +603,24 @@ def split_sequences(sequences: RangeSet, parts: int | None, per_part: int = MESS
 
 
 POLL = 0.2  # seconds a reading task waits for its next message before asking the broker what is left
-BATCH_ROWS = 4096  # rows per Arrow batch a reading task hands to Spark ...
+# Rows per Arrow batch a reading task hands to Spark: the first batch is small, so
+# that the first rows come soon; each next one is 4 times larger, up to BATCH_ROWS
+# (Spark's cost per batch is a fifth of the rows' at 4096 rows of 64 bytes, measured
+# with a source of pre-built batches) ...
+FIRST_BATCH_ROWS = 1024
+BATCH_ROWS = 32768
 BATCH_BYTES = 4 << 20  # ... or fewer, once their bodies reach this many bytes
 READ_CAPACITY = 2000  # a reading task's credit window (messages in flight to it)
 
 
 class _Columns:
-    """One Arrow batch's worth of messages, column by column."""
+    """One Arrow batch's worth of messages, as the Arrow arrays
+    qflow.client.message.arrow_columns makes of each fetch."""
 
-    __slots__ = ("cols", "nbytes", "queue", "rows")
+    __slots__ = ("chunks", "nbytes", "queue", "rows")
 
     def __init__(self, queue: str) -> None:
-        # Every column but queue (one value for all); the timestamp's milliseconds last.
-        self.cols: tuple[list, ...] = tuple([] for _ in range(len(COLUMNS) - 1))
+        self.chunks: list[tuple] = []
         self.nbytes = 0
         self.rows = 0
         self.queue = queue
@@ -623,44 +629,43 @@ class _Columns:
         return self.rows
 
     def add(self, messages: list[qflow.ReceivedMessage]) -> None:
-        body, rk, ex, mid, cid, ct, hdr, sq, red, ts = self.cols
-        bodies, exchanges, keys, props, seqs, redelivered = message_columns(messages)
-        body += bodies
-        self.nbytes += sum(map(len, bodies))
-        self.rows += len(bodies)
-        ex += exchanges
-        rk += keys
-        sq += seqs
-        red += redelivered
-        if not any(props):  # the usual case: no properties at all
-            nones = [None] * len(bodies)
-            mid += nones
-            cid += nones
-            ct += nones
-            hdr += nones
-            ts += nones
+        if not messages:
             return
-        mid += [p.get("message_id") for p in props]
-        cid += [p.get("correlation_id") for p in props]
-        ct += [p.get("content_type") for p in props]
-        hdr += [_typed_headers(p.get("headers")) for p in props]
-        ts += [_timestamp(p) for p in props]
+        chunk = arrow_columns(messages)
+        self.chunks.append(chunk)
+        self.nbytes += chunk[0].nbytes
+        self.rows += len(chunk[0])
 
     def batch(self, indices: list[int] | None) -> Any:
         import pyarrow as pa
 
         types = _arrow_types()
         which = range(len(COLUMNS)) if indices is None else indices
-        arrays = []
+        columns = []
         for i in which:
-            if i == QUEUE_COLUMN:
-                arrays.append(pa.array([self.queue] * self.rows, types[i]))
-            elif i == TIMESTAMP_COLUMN:  # milliseconds since the epoch, as Spark's timestamp (microseconds, UTC)
-                ms = self.cols[i - 1]
-                arrays.append(pa.array([None if v is None else v * 1000 for v in ms], types[i]))
-            else:
-                arrays.append(pa.array(self.cols[i], types[i]))
-        return pa.RecordBatch.from_arrays(arrays, names=[COLUMNS[i] for i in which])
+            if i == QUEUE_COLUMN:  # one value for the whole batch: the queue it was read from
+                columns.append(pa.repeat(pa.scalar(self.queue, types[i]), self.rows))
+                continue
+            parts = [_column(i, chunk, types[i]) for chunk in self.chunks]
+            columns.append(parts[0] if len(parts) == 1 else pa.concat_arrays(parts))
+        return pa.RecordBatch.from_arrays(columns, names=[COLUMNS[i] for i in which])
+
+
+def _column(i: int, chunk: tuple, type_: Any) -> Any:
+    """Column ``i`` (of COLUMNS) of one arrow_columns chunk."""
+    import pyarrow as pa
+
+    bodies, seqs, redelivered, index, heads = chunk
+    if i == 0:
+        return bodies
+    if i == 7:
+        return seqs
+    if i == 8:
+        return redelivered
+    values = pa.array([_FROM_HEAD[i](h) for h in heads], type_)
+    if len(heads) > 1:
+        return values.take(index)
+    return pa.repeat(values[0], len(index)) if values[0].is_valid else pa.nulls(len(index), type_)
 
 
 def _timestamp(props: dict) -> int | None:
@@ -679,6 +684,19 @@ def _timestamp(props: dict) -> int | None:
 QUEUE_COLUMN = COLUMNS.index("queue")
 TIMESTAMP_COLUMN = COLUMNS.index("timestamp")
 _INT64 = range(-(1 << 63), 1 << 63)
+
+
+def _timestamp_us(props: dict) -> int | None:
+    """The message's time as Spark's timestamp column holds it (microseconds, UTC)."""
+    ms = _timestamp(props)
+    return None if ms is None else ms * 1000
+
+
+# Where each column comes from: a message's own array (body, sequence, redelivered), the
+# queue read (_Columns.batch), or the message's head: (exchange, routing key, properties).
+_FROM_HEAD = {1: lambda h: h[1], 2: lambda h: h[0], 3: lambda h: h[2].get("message_id"),
+              4: lambda h: h[2].get("correlation_id"), 5: lambda h: h[2].get("content_type"),
+              6: lambda h: _typed_headers(h[2].get("headers")), TIMESTAMP_COLUMN: lambda h: _timestamp_us(h[2])}
 
 
 def header_value(value: Any) -> dict[str, Any] | None:
@@ -717,12 +735,29 @@ def _arrow_types() -> tuple:
 
 
 def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
+    """The numbers of ``a`` not in ``b``, range by range (a batch plans
+    hundreds of thousands of numbers: never one by one)."""
     out = RangeSet()
+    theirs = list(b.ranges())
+    j = 0
     for first, last in a.ranges():
-        for s in range(first, last + 1):
-            if s not in b:
-                out.add(s)
+        while j < len(theirs) and theirs[j][1] < first:
+            j += 1
+        at = first
+        k = j
+        while k < len(theirs) and theirs[k][0] <= last:
+            if theirs[k][0] > at:
+                out.add_range(at, theirs[k][0] - 1)
+            at = max(at, theirs[k][1] + 1)
+            k += 1
+        if at <= last:
+            out.add_range(at, last)
     return out
+
+
+def _intersect(a: RangeSet, b: RangeSet) -> RangeSet:
+    """The numbers in both ``a`` and ``b``, range by range."""
+    return _minus(a, _minus(a, b))
 
 
 async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, queue: str, incarnation: str, wanted: RangeSet,
@@ -735,6 +770,7 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, queue: str, inca
         return wanted
     pending = wanted
     gone = RangeSet()
+    rows = FIRST_BATCH_ROWS
     while pending:
         ranges = list(pending.ranges())
         n = len(ranges)
@@ -753,6 +789,20 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, queue: str, inca
                 delivered = await receiver.fetch_many(timeout=POLL)
             except qflow.Empty:
                 break
+            first_seq, last_seq = delivered[0].sequence, delivered[-1].sequence
+            if first_seq == nxt and last_seq <= hi and last_seq - first_seq == len(delivered) - 1:
+                # The usual case: all of them, the next wanted numbers in a row.
+                cols.add(delivered)
+                nxt = last_seq + 1
+                if nxt > hi:
+                    ri += 1
+                    if ri < n:
+                        nxt, hi = ranges[ri]
+                if len(cols) >= rows or cols.nbytes >= BATCH_BYTES:
+                    await emit(cols)
+                    cols = _Columns(queue)
+                    rows = min(4 * rows, BATCH_ROWS)
+                continue
             taken: list[qflow.ReceivedMessage] = []
             for m in delivered:
                 seq = m.sequence
@@ -778,9 +828,10 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, queue: str, inca
                         break
                     nxt, hi = ranges[ri]
             cols.add(taken)
-            if len(cols) >= BATCH_ROWS or cols.nbytes >= BATCH_BYTES:
+            if len(cols) >= rows or cols.nbytes >= BATCH_BYTES:
                 await emit(cols)
                 cols = _Columns(queue)
+                rows = min(4 * rows, BATCH_ROWS)
         if len(cols):
             await emit(cols)
         if ri < n:  # nothing more came: the rest of the wanted numbers are not here (yet)
@@ -799,10 +850,8 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, queue: str, inca
         if now["incarnation"] != incarnation:
             gone.update(skipped)
             break
-        pending = RangeSet()
-        for first, end in skipped.ranges():
-            for seq in range(first, end + 1):
-                (pending if seq in now["sequences"] else gone).add(seq)
+        pending = _intersect(skipped, now["sequences"])
+        gone.update(_minus(skipped, now["sequences"]))
     return gone
 
 
@@ -855,7 +904,8 @@ def read_sequences(opts: ReadOptions, queue_name: str, incarnation: str, sequenc
 
     def run() -> None:
         try:
-            trio.run(_read_task, opts, queue_name, incarnation, sequences, indices, put)
+            _profiled(f"read-{queue_name}", trio.run, _read_task, opts, queue_name, incarnation, sequences, indices,
+                      put)
             result: Any = _DONE
         except _Stopped:
             return
@@ -881,6 +931,28 @@ def read_sequences(opts: ReadOptions, queue_name: str, incarnation: str, sequenc
     finally:
         stop.set()
         thread.join(timeout=opts.endpoint.connect_timeout + 5)
+
+
+PROFILE_ENV = "QFLOW_SPARK_PROFILE"
+
+
+def _profiled(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; with $QFLOW_SPARK_PROFILE set to a directory, under
+    cProfile, its stats written there (``NAME-PID-TIME.prof``, for pstats): where a
+    task's time goes, measured inside Spark's Python worker. Once per task."""
+    directory = os.environ.get(PROFILE_ENV)
+    if not directory:
+        return fn(*args)
+    import cProfile
+
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    try:
+        return profile.runcall(fn, *args)
+    finally:
+        path = os.path.join(directory, f"{name}-{os.getpid()}-{started:.6f}.prof")
+        profile.dump_stats(path)
+        log.warning("qflow: %s took %.3f s; profile in %s", name, time.perf_counter() - started, path)
 
 
 class _Stopped(Exception):
@@ -1261,30 +1333,55 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
         durable = opts.durable
         n = 0
         for batch in batches:
-            # Columns are looked up once per batch, never per row.
+            # Columns are looked up once per batch, never per row; a column
+            # that is null throughout (say, carried over from a read) sets nothing.
             names = batch.schema.names
             bodies = _body_column(batch.column(names.index("body")))
             rows = len(bodies)
-            column = {name: batch.column(i) for i, name in enumerate(names)}
-            ids = column["message_id"].to_pylist() if "message_id" in column else [None] * rows
+            if not rows:
+                continue
+            column = {name: batch.column(i) for i, name in enumerate(names)
+                      if name == "body" or batch.column(i).null_count < rows}
+            if "message_id" in column:
+                ids = [mid or f"{id_prefix}-{n + i}" for i, mid in enumerate(column["message_id"].to_pylist())]
+            else:
+                ids = [f"{id_prefix}-{i}" for i in range(n, n + rows)]
             # Every message carries the time it was sent (or its row's
             # timestamp): what a reader's timestamp column shows.
             now = int(time.time() * 1000)
-            stamps = _timestamp_column(column["timestamp"], now) if "timestamp" in column else None
-            keys = column["routing_key"].to_pylist() if keyed and "routing_key" in column else None
-            optional = {name: column[name].to_pylist() for name in ("correlation_id", "content_type")
-                        if name in column}
+            shared: dict[str, Any] = {"timestamp": now}
+            per_row: dict[str, list] = {}
+            if "timestamp" in column:
+                per_row["timestamp"] = _timestamp_column(column["timestamp"], now)
+            if keyed and "routing_key" in column:
+                per_row["routing_key"] = column["routing_key"].to_pylist()
+            for name in ("correlation_id", "content_type"):
+                if name in column:
+                    per_row[name] = column[name].to_pylist()
             if "headers" in column:
-                optional["headers"] = _headers_column(column["headers"])
-            for i, body in enumerate(bodies):
-                props = {"message_id": ids[i] or f"{id_prefix}-{n + i}", "timestamp": now if stamps is None
-                         else stamps[i]}
+                per_row["headers"] = _headers_column(column["headers"])
+            # A value the same in every row is the batch's: the run's shared properties.
+            for name in [name for name, values in per_row.items() if values.count(values[0]) == rows]:
+                value = per_row.pop(name)[0]
+                if value or name in ("timestamp", "routing_key"):
+                    shared[name] = value
+            if not per_row:
+                # One run of transfers, an id each (the map's first key) and the rest
+                # shared: the broker takes it whole (native/transfers.h).
+                await sender.send_many(bodies, message_ids=ids, **shared)
+            else:
+                # Some property differs per row: one message at a time (docs/spark.md says so).
+                keys = per_row.pop("routing_key", None)
+                base = {k: v for k, v in shared.items() if k != "routing_key"}
                 if durable:
-                    props["durable"] = True
-                for name, values in optional.items():
-                    if values[i]:
-                        props[name] = values[i]
-                await send(body, props, routing_key=None if keys is None else keys[i])
+                    base["durable"] = True
+                key = shared.get("routing_key")
+                for i, body in enumerate(bodies):
+                    props = {"message_id": ids[i], **base}
+                    for name, values in per_row.items():
+                        if values[i] or name == "timestamp":
+                            props[name] = values[i]
+                    await send(body, props, routing_key=key if keys is None else keys[i])
             n += rows
         with trio.fail_after(opts.send_timeout or math.inf):
             await sender.sync()
@@ -1333,7 +1430,7 @@ class _Writer:
     def write(self, iterator: Iterator[Any]) -> QflowCommitMessage:
         partition, batch = self._batch()
         prefix = f"{batch}-{partition}"
-        n = _run(_send_batches, self.opts, iterator, prefix)
+        n = _profiled(f"write-{self.opts.address}", _run, _send_batches, self.opts, iterator, prefix)
         return QflowCommitMessage(partition, n, prefix)
 
     @staticmethod
