@@ -94,9 +94,9 @@ def broker(daemon: Daemon) -> str:
 
 
 # -- helpers: short trio programs against the daemon ---------------------------------
-def on_broker(daemon: Daemon, fn: Any, *args: Any) -> Any:
+def on_broker(daemon: Daemon, fn: Any, *args: Any, timeout: float = 60) -> Any:
     async def main() -> Any:
-        with trio.fail_after(60):
+        with trio.fail_after(timeout):
             conn = await qflow.connect("127.0.0.1", daemon.port)
             try:
                 return await fn(await conn.session(), *args)
@@ -1018,7 +1018,8 @@ def drain_ids(daemon: Daemon, queue: str, n: int, timeout: float = 240) -> list[
         await receiver.close()
         return out
 
-    return on_broker(daemon, go)
+    # The whole program within the same time (on_broker's 60 s would cut the wait short).
+    return on_broker(daemon, go, timeout=timeout)
 
 
 def test_batch_write_ids_survive_a_task_retry(spark: Any, daemon: Daemon, broker: str) -> None:
