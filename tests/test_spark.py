@@ -986,6 +986,42 @@ def test_timestamp_column_and_typed_headers_round_trip(spark: Any, daemon: Daemo
         bad.write.format("qflow").option("broker", broker).option("queue", "typed-map").mode("append").save()
 
 
+def test_a_write_batch_shares_one_timestamp_and_its_constant_properties(spark: Any, daemon: Daemon,
+                                                                         broker: str) -> None:
+    """A batch is one run (send_many with an id each): without a timestamp
+    column, its messages carry one send time; a timestamp, headers or
+    correlation_id column with one value throughout is the batch's. The reader
+    gives them back as the timestamp, headers and queue columns."""
+    import datetime
+
+    declare(daemon, "shared-now", "shared-const")
+    n = 300  # one Arrow batch of one partition
+    df = spark.createDataFrame([(f"row {i}",) for i in range(n)], "body string").coalesce(1)
+    before = int(time.time() * 1000)
+    df.write.format("qflow").option("broker", broker).option("queue", "shared-now").option("writeId", "w1") \
+        .mode("append").save()
+    after = int(time.time() * 1000)
+    got = browse(daemon, "shared-now")
+    assert [m.body for m in got] == [f"row {i}".encode() for i in range(n)]
+    assert [m.message_id for m in got] == [f"w1-0-{i}" for i in range(n)]
+    stamps = {m.timestamp for m in got}
+    assert len(stamps) == 1 and before <= stamps.pop() <= after
+
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=datetime.UTC)
+    const = spark.createDataFrame([(f"row {i}", when, {"src": "orders"}, "c-1") for i in range(n)],
+                                  "body string, timestamp timestamp, headers map<string,string>, "
+                                  "correlation_id string").coalesce(1)
+    const.write.format("qflow").option("broker", broker).option("queue", "shared-const").mode("append").save()
+    ms = int(when.timestamp() * 1000)
+    got = browse(daemon, "shared-const")
+    assert len({m.message_id for m in got}) == n
+    assert {(m.timestamp, tuple(m.headers.items()), m.correlation_id) for m in got} == \
+        {(ms, (("src", "orders"),), "c-1")}
+    rows = read(spark, broker, "shared-const").selectExpr("queue", "unix_millis(timestamp) AS ms",
+                                                          "headers['src'].string AS src").distinct().collect()
+    assert [(r.queue, r.ms, r.src) for r in rows] == [("shared-const", ms, "orders")]
+
+
 def broker_clients(port: int) -> set[int]:
     """PIDs of this user's processes with a TCP connection to 127.0.0.1:``port``
     (from /proc: the sockets' inodes, then each process's descriptors)."""

@@ -290,7 +290,10 @@ class Sender:
         ``message_ids``, one str per body, gives each message its own id
         (instead of ``message_id``, the same for all); the broker still takes
         such transfers as one run. Raises ValueError, sending nothing, when
-        their numbers differ or an id is not a str.
+        their numbers differ or an id is not a str. ``timestamp``
+        (milliseconds since the Unix epoch) is the same for all; with
+        ``message_ids`` it follows each id in the properties, which the
+        broker still takes as one run.
         A refusal of an earlier transfer is raised, and the bodies not yet sent
         then are not sent. A body too large for the connection's frames raises
         ResourceLimitExceeded: the bodies before it are sent, it and those
