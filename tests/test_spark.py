@@ -434,8 +434,8 @@ def test_write_blocks_on_flow_stopped_queue_until_drained(spark: Any, daemon: Da
     assert len({m.message_id for m in got}) == 40
     # The writer's messages, each with its own id, are taken by the broker as runs: the accounting
     # stays exact, the held queue's bytes are its messages' sizes (exchange, routing key, properties, body).
-    sizes = [len(msgpack.packb("")) + len(msgpack.packb("slow")) + len(msgpack.packb({"message_id": m.message_id}))
-             + len(m.body) for m in got]
+    sizes = [len(msgpack.packb("")) + len(msgpack.packb("slow"))
+             + len(msgpack.packb({"message_id": m.message_id, "timestamp": m.timestamp})) + len(m.body) for m in got]
     assert held["byteDepth"] == sum(sizes[:held["msgDepth"]]), (held, sizes)
     st = stats(daemon, "slow")
     assert st["flowStoppedCount"] >= 1 and (st["msgDepth"], st["byteDepth"]) == (0, 0)
