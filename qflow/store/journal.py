@@ -64,7 +64,7 @@ import zlib
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import groupby, repeat
 from pathlib import Path
 
 from qflow._journal_native import ffi as _ffi
@@ -103,37 +103,60 @@ class _BadRecord(Exception):
     """A record that ends a recovery."""
 
 
+class _Group:
+    """The live messages one batch enqueued (or one segment held at recovery):
+    queue -> seq -> entry, with their count and bytes. The journal maps each
+    live message to its group, and a group to its segment once the batch is
+    taken (``segment`` None: staged), so that taking a batch moves its
+    messages into a segment in one step, whatever their number."""
+
+    __slots__ = ("segment", "members", "live", "live_bytes")
+
+    def __init__(self, segment: _Segment | None = None) -> None:
+        self.segment = segment
+        self.members: dict[str, dict[int, Entry]] = {}
+        self.live = 0
+        self.live_bytes = 0
+
+    def add(self, queue: str, seq: int, entry: Entry) -> None:
+        self.members.setdefault(queue, {})[seq] = entry
+        self.count(1, len(entry))
+
+    def count(self, n: int, nbytes: int) -> None:
+        """``n`` messages of ``nbytes`` came (negative: went)."""
+        self.live += n
+        self.live_bytes += nbytes
+        seg = self.segment
+        if seg is not None:
+            seg.live += n
+            seg.live_bytes += nbytes
+
+    def remove(self, queue: str, seq: int) -> None:
+        self.count(-1, -len(self.members[queue].pop(seq)))
+
+
 class _Segment:
     """A segment file as the loop sees it: its size so far and what is live in it."""
 
-    __slots__ = ("number", "size", "live", "live_bytes", "members")
+    __slots__ = ("number", "size", "live", "live_bytes", "groups")
 
     def __init__(self, number: int) -> None:
         self.number = number
         self.size = 0  # bytes placed in it (the header included), written or about to be
         self.live = 0
         self.live_bytes = 0
-        self.members: dict[str, dict[int, Entry]] = {}  # its live messages: queue -> seq -> entry
+        self.groups: list[_Group] = []  # its live messages, by the batch that wrote them
 
-    def add(self, queue: str, seq: int, entry: Entry) -> None:
-        self.members.setdefault(queue, {})[seq] = entry
-        self.live += 1
-        self.live_bytes += len(entry)
+    def take(self, group: _Group) -> None:
+        """``group``'s batch is written here."""
+        group.segment = self
+        self.groups.append(group)
+        self.live += group.live
+        self.live_bytes += group.live_bytes
 
-    def add_many(self, queue: str, entries: dict[int, Entry]) -> None:
-        """:meth:`add` for each (seq, entry) of ``entries``."""
-        members = self.members.get(queue)
-        if members is None:
-            self.members[queue] = entries.copy()
-        else:
-            members.update(entries)
-        self.live += len(entries)
-        self.live_bytes += sum(map(len, entries.values()))
-
-    def remove(self, queue: str, seq: int) -> None:
-        entry = self.members[queue].pop(seq)
-        self.live -= 1
-        self.live_bytes -= len(entry)
+    def members(self) -> list[tuple[str, dict[int, Entry]]]:
+        """Its live messages: (queue, seq -> entry), a queue possibly more than once."""
+        return [(q, m) for g in self.groups for q, m in g.members.items() if m]
 
 
 def _u32s() -> array:
@@ -216,9 +239,9 @@ class Journal:
         self.segment_size = segment_size
         self.carry_below = carry_below
         self._segments: dict[int, _Segment] = {}  # oldest first (insertion order)
-        self._live: dict[str, dict[int, _Segment | None]] = {}  # queue -> seq -> its segment (None: staged)
+        self._live: dict[str, dict[int, _Group]] = {}  # queue -> seq -> its group
         self._staged = Batch()
-        self._staged_members: dict[str, dict[int, Entry]] = {}  # enqueued in the staged batch, still live
+        self._staging = _Group()  # enqueued in the staged batch, still live
         self._name_index: dict[str, int] = {}
         self._current: _Segment | None = None
         self._in_flight = False
@@ -265,7 +288,7 @@ class Journal:
         staged.body_entries.append(len(staged.entries))
         staged.tail_bytes += len(first) - ENTRY_HEAD_SIZE
         self._section(OP_ENQUEUE, len(placements))
-        live, members = self._live, self._staged_members
+        live, group = self._live, self._staging
         for queue, entry in placements:
             seq = seq_and_size(entry)[0]
             staged.entries.append(entry)
@@ -274,8 +297,8 @@ class Journal:
             old = live.setdefault(queue, {}).get(seq)
             if old is not None:  # a second copy (carry-forward): the newest is the one that counts
                 old.remove(queue, seq)
-            live[queue][seq] = None
-            members.setdefault(queue, {})[seq] = entry
+            live[queue][seq] = group
+            group.add(queue, seq, entry)
 
     def enqueue_run(self, queue: str, entries: Sequence[Entry]) -> None:
         """Stage ``entries``, distinct messages, on ``queue``: what
@@ -294,7 +317,8 @@ class Journal:
         staged.enq_names.extend(repeat(name, n))
         staged.enq_bodies.extend(range(body, body + n))
         staged.body_entries.extend(range(first, first + n))
-        staged.tail_bytes += sum(map(len, entries)) - ENTRY_HEAD_SIZE * n
+        nbytes = sum(map(len, entries))
+        staged.tail_bytes += nbytes - ENTRY_HEAD_SIZE * n
         self._section(OP_ENQUEUE, n)
         seqs = [seq for (seq,) in map(_seq_tuple, entries)]
         live = self._live.setdefault(queue, {})
@@ -303,35 +327,39 @@ class Journal:
                 old = live.get(seq)
                 if old is not None:  # a second copy (carry-forward): the newest is the one that counts
                     old.remove(queue, seq)
-        live.update(dict.fromkeys(seqs))
-        members = self._staged_members.get(queue)
+        group = self._staging
+        live.update(zip(seqs, repeat(group)))
+        members = group.members.get(queue)
         if members is None:
-            self._staged_members[queue] = dict(zip(seqs, entries, strict=True))
+            group.members[queue] = dict(zip(seqs, entries, strict=True))
         else:
             members.update(zip(seqs, entries, strict=True))
+        group.count(n, nbytes)
 
     def dequeue_many(self, queue: str, entries: Iterable[Entry]) -> list[int]:
         """:meth:`dequeue` for each of ``entries`` (stored entries) of ``queue``,
         in one call; returns the sequence numbers of those the journal does not
         hold (nothing staged for them)."""
-        segs = self._live.get(queue)
-        if segs is None:
-            return [seq for (seq,) in map(_seq_tuple, entries)]
-        missing: list[int] = []
-        removed: list[int] = []
-        staged_members = self._staged_members.get(queue)
-        for (seq,) in map(_seq_tuple, entries):
-            seg = segs.pop(seq, _ABSENT)
-            if seg is _ABSENT:
-                missing.append(seq)
-                continue
-            if seg is None:
-                del staged_members[seq]  # type: ignore[index]  # staged, so its queue has staged members
-            else:
-                entry = seg.members[queue].pop(seq)  # seg.remove, inlined: per message
-                seg.live -= 1
-                seg.live_bytes -= len(entry)
-            removed.append(seq)
+        seqs = [seq for (seq,) in map(_seq_tuple, entries)]
+        live = self._live.get(queue)
+        if live is None:
+            return seqs
+        groups = list(map(live.pop, seqs, repeat(None)))
+        if groups and groups[0] is not None and groups.count(groups[0]) == len(groups):
+            removed, missing = seqs, []  # the usual: all written by one batch
+            self._remove_from(groups[0], queue, seqs)
+        else:
+            removed, missing = [], []
+            pos = 0
+            for group, same in groupby(groups):  # runs of one group (consecutive messages were written together)
+                k = len(list(same))
+                part = seqs[pos:pos + k]
+                pos += k
+                if group is None:
+                    missing += part
+                else:
+                    removed += part
+                    self._remove_from(group, queue, part)
         if removed:
             staged = self._staged
             staged.deq_names.extend(repeat(self._name(queue), len(removed)))
@@ -339,13 +367,18 @@ class Journal:
             self._section(OP_DEQUEUE, len(removed))
         return missing
 
+    @staticmethod
+    def _remove_from(group: _Group, queue: str, seqs: list[int]) -> None:
+        gone = list(map(group.members[queue].pop, seqs))
+        group.count(-len(gone), -sum(map(len, gone)))
+
     def dequeue(self, queue: str, seq: int) -> bool:
         """Stage the removal of message ``seq`` of ``queue``; False (and nothing
         staged) if the journal does not hold it: a transient message, or one gone already."""
         segs = self._live.get(queue)
         if segs is None or seq not in segs:
             return False
-        self._forget(queue, seq, segs.pop(seq))
+        segs.pop(seq).remove(queue, seq)
         self._staged.deq_names.append(self._name(queue))
         self._staged.deq_seqs.append(seq)
         self._section(OP_DEQUEUE, 1)
@@ -355,16 +388,10 @@ class Journal:
         """Stage the deletion of ``queue``: every message it has now is gone for good."""
         if not self._recovered:
             raise JournalError("stage after recover(): the journal is not open yet")
-        for seq, seg in self._live.pop(queue, {}).items():
-            self._forget(queue, seq, seg)
+        for seq, group in self._live.pop(queue, {}).items():
+            group.remove(queue, seq)
         self._staged.del_names.append(self._name(queue))
         self._section(OP_DELETE, 1)
-
-    def _forget(self, queue: str, seq: int, seg: _Segment | None) -> None:
-        if seg is None:
-            del self._staged_members[queue][seq]
-        else:
-            seg.remove(queue, seq)
 
     def has_staged(self) -> bool:
         return bool(self._staged)
@@ -403,13 +430,9 @@ class Journal:
         batch.record_size = record
         cur.size += record - (_HEADER_RECORD_SIZE if batch.new_segment else 0)
         self._size += record
-        live = self._live
-        for queue, seqs in self._staged_members.items():
-            if not seqs:  # all dequeued or deleted before this take
-                continue
-            live[queue].update(dict.fromkeys(seqs, cur))
-            cur.add_many(queue, seqs)
-        self._staged_members = {}
+        if self._staging.live:  # else all dequeued or deleted before this take
+            cur.take(self._staging)
+        self._staging = _Group()
         for seg in list(self._segments.values()):  # oldest first: each dies only after all older ones
             if seg is cur or seg.live:
                 break
@@ -430,7 +453,7 @@ class Journal:
         # Entries that differ only in their heads are one message on several queues (fanout,
         # topic): carried forward together, their body is still stored once.
         copies: dict[memoryview, list[tuple[str, Entry]]] = {}
-        for queue, seqs in list(head.members.items()):
+        for queue, seqs in head.members():
             for entry in list(seqs.values()):
                 copies.setdefault(memoryview(entry)[ENTRY_HEAD_SIZE:], []).append((queue, entry))
         for placements in copies.values():
@@ -534,6 +557,7 @@ class Journal:
             self._segments[number].size = sizes[number]
         self._size = sum(sizes.values())
         result: dict[str, list[Entry]] = {}
+        groups: dict[int, _Group] = {}  # per segment, what it holds live
         for queue, msgs in state.items():
             if not msgs:
                 continue
@@ -541,9 +565,12 @@ class Journal:
             entries = result[queue] = []
             for seq in sorted(msgs):
                 number, entry = msgs[seq]
-                seg = self._segments[number]
-                seg.add(queue, seq, entry)
-                segs[seq] = seg
+                group = groups.get(number)
+                if group is None:
+                    group = groups[number] = _Group()
+                    self._segments[number].take(group)
+                group.add(queue, seq, entry)
+                segs[seq] = group
                 entries.append(entry)
         # Segments with nothing live die with the first commit (head first, as always).
         self._recovered = True
