@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator
+from itertools import chain, repeat
 from typing import Any
 
 import msgpack
@@ -392,10 +393,10 @@ class Broker:
                 log_seqs += [s + i for s in seqs]
                 log_seqs.append(None)
         elif len(queues) == 1 and len(holders) == 1:  # one durable queue: the store's usual input
-            q, seq = queues[0], seqs[0]
-            for entry in stored[0][3]:
-                log_seqs += (None, seq, ((q, entry),), None)
-                seq += 1
+            # Per transfer (None, seq, ((q, entry),), None), made by zip with no Python call per message.
+            entries = stored[0][3]
+            log_seqs += chain.from_iterable(zip(repeat(None), range(seqs[0], seqs[0] + len(entries)),
+                                                zip(zip(repeat(queues[0]), entries)), repeat(None)))
         else:
             covered = list(holders.values())
             for i in range(n):
