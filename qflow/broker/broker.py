@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator
-from itertools import chain, repeat
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -393,10 +393,12 @@ class Broker:
                 log_seqs += [s + i for s in seqs]
                 log_seqs.append(None)
         elif len(queues) == 1 and len(holders) == 1:  # one durable queue: the store's usual input
-            # Per transfer (None, seq, ((q, entry),), None), made by zip with no Python call per message.
+            # Per transfer (None, seq, ((q, entry),), None), filled in by column: no Python call per message.
             entries = stored[0][3]
-            log_seqs += chain.from_iterable(zip(repeat(None), range(seqs[0], seqs[0] + len(entries)),
-                                                zip(zip(repeat(queues[0]), entries)), repeat(None)))
+            block: list[Any] = [None] * (4 * len(entries))
+            block[1::4] = range(seqs[0], seqs[0] + len(entries))
+            block[2::4] = list(zip(zip(repeat(queues[0]), entries)))
+            log_seqs += block
         else:
             covered = list(holders.values())
             for i in range(n):

@@ -27,8 +27,8 @@ import logging
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import itemgetter, methodcaller
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -237,7 +237,10 @@ class MessageStore:
         q = queues[0]
         if queues.count(q) != len(queues):
             return False
-        if not all(map(methodcaller("startswith", self._persistent_head, ENTRY_HEAD_SIZE), entries)):
+        try:
+            if not all(map(bytes.startswith, entries, repeat(self._persistent_head), repeat(ENTRY_HEAD_SIZE))):
+                return False
+        except TypeError:  # an entry that is not bytes: the general path takes it
             return False
         self._stage_run(q, list(entries), list(tokens))
         return True
