@@ -294,3 +294,55 @@ async def test_a_failed_sync_stops_the_task_and_completes_nothing(tmp_path):
     assert [str(e) for e in failed] == ["[Errno 28] No space left on device"]
     h.run()
     assert p.incomplete(ids) == ids
+
+
+async def test_what_needs_no_write_completes_while_a_sync_is_in_flight(tmp_path):
+    """While the worker's sync runs (here: held until the test lets it go), a
+    transient transfer to a durable queue, and a persistent one whose message
+    was accepted before the store staged it, complete at once: neither has
+    anything to write, and waiting would keep them in the producer's window.
+    The persistent transfer being synced completes only after its sync; the
+    persistent one that arrived meanwhile, only after the next commit."""
+    import threading
+
+    h = Harness()
+    p = h.connect().session()
+    declare(p, "dq")
+    c = h.connect().session()
+    c.subscribe("dq", "d", accept=P.ACCEPT_EXPLICIT)
+    journal = Journal(tmp_path)
+    journal.recover()
+    writing, go_on = threading.Event(), threading.Event()
+    real_write = journal.write_and_sync
+
+    def slow_disk(batch):
+        writing.set()
+        if not go_on.wait(60):  # a guard against a hang: the test lets it go
+            raise TimeoutError("the test never let the sync finish")
+        real_write(batch)
+
+    journal.write_and_sync = slow_disk
+
+    async def until(condition) -> None:
+        while not condition():  # event waits, bounded by the fail_after below
+            await trio.sleep(0.001)
+            h.run()
+
+    with trio.fail_after(60):  # a guard against a hang, not a timing assertion
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_store, h.broker, journal)
+            first = p.transfer("dq", b"synced", properties=DURABLE)
+            h.run()
+            await trio.to_thread.run_sync(writing.wait)  # its commit is in the worker now
+            transient = p.transfer("dq", b"t")
+            accepted_early = p.transfer("dq", b"gone", properties=DURABLE)
+            kept = p.transfer("dq", b"kept", properties=DURABLE)
+            h.run()
+            c.accept([d for d in c.deliveries if d.body in (b"t", b"gone")])
+            h.run()
+            await until(lambda: not p.incomplete([transient, accepted_early]))
+            assert p.incomplete([first, kept]) == [first, kept]  # the sync has not returned
+            go_on.set()
+            await until(lambda: not p.incomplete([first, kept]))
+            assert recovered(tmp_path) == {"dq": [1, 4]}  # "gone" was never written, "t" is transient
+            nursery.cancel_scope.cancel()
