@@ -336,7 +336,7 @@ class FlowControl:
             self._hold(holds, seqs)
         return completions
 
-    def _hold(self, holds: list[tuple[int, int, int, int]], seqs: list[int]) -> None:
+    def _hold(self, holds: list[Hold], seqs: list[Any]) -> None:
         """Record the holds of an applied log: each queue's tokens and held sessions
         (a session is told when a queue first holds it), or an outside holder's arrivals."""
         queues, sessions = self.queues, self.sessions
@@ -347,7 +347,7 @@ class FlowControl:
             holder.arrived += zip(map(_token_of, holds), map(seqs.__getitem__, map(_op_index_of, holds)),
                                   strict=True)
             holder.wake()
-            return completions
+            return
         for op_index, token, session_slot, slot in holds:
             q = queues.get(slot)
             if q is None:  # an outside holder's hold (a slot is a queue's or a holder's)
