@@ -563,15 +563,21 @@ class Journal:
                 continue
             segs = self._live[queue] = {}
             entries = result[queue] = []
-            for seq in sorted(msgs):
+            for seq in sorted(msgs):  # per message: kept to dict stores and counters (a million at a start)
                 number, entry = msgs[seq]
                 group = groups.get(number)
                 if group is None:
-                    group = groups[number] = _Group()
-                    self._segments[number].take(group)
-                group.add(queue, seq, entry)
+                    group = groups[number] = _Group()  # placed in its segment below, with its counts
+                members = group.members.get(queue)
+                if members is None:
+                    members = group.members[queue] = {}
+                members[seq] = entry
+                group.live += 1
+                group.live_bytes += len(entry)
                 segs[seq] = group
                 entries.append(entry)
+        for number, group in groups.items():
+            self._segments[number].take(group)
         # Segments with nothing live die with the first commit (head first, as always).
         self._recovered = True
         return result
