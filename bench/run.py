@@ -375,10 +375,12 @@ def main() -> None:
         """Median over rounds of a/b, each ratio from runs next to each other."""
         return statistics.median(x["msgs_per_s"] / y["msgs_per_s"] for x, y in zip(results[a], results[b], strict=True))
 
-    def cpu_ratio(a: str, b: str) -> float:
-        """Median over rounds of the broker's CPU per message of a over b."""
-        return round(statistics.median(x["broker_cpu_us"] / y["broker_cpu_us"]
-                                       for x, y in zip(results[a], results[b], strict=True)), 3)
+    def cpu_ratio(a: str, b: str) -> float | None:
+        """Median over rounds of the broker's CPU per message of a over b; None when
+        no run was long enough for the CPU clock's ticks (10 ms) to count (the smoke run)."""
+        ratios = [x["broker_cpu_us"] / y["broker_cpu_us"]
+                  for x, y in zip(results[a], results[b], strict=True) if x["broker_cpu_us"] and y["broker_cpu_us"]]
+        return round(statistics.median(ratios), 3) if ratios else None
 
     print(method_line(count, rounds))
     for name, runs in results.items():
