@@ -51,7 +51,9 @@ from qflow.server.pump import ConnectionPump  # noqa: E402
 from qflow.store.journal import Journal  # noqa: E402
 from qflow.store.message_store import MessageStore  # noqa: E402
 
-PARTS: list[list[float]] = []  # per round: seconds in [transfers and deliveries, accepts and credit, writer]
+# Per round, seconds in: [transfers and deliveries (with the store's work), accepts and credit, and of the
+# first, the store's: staging (prepare), the writer, releasing (finish and its flush)]
+PARTS: list[list[float]] = []
 CLOCK = [time.perf_counter]  # --persistent: time.thread_time (a real sync's wait is not the broker's CPU)
 NO_FLOW = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
 
@@ -110,22 +112,26 @@ def _round(count: int, size: int, batch: int, arguments: dict, deliver_runs: boo
     gc.collect()
     clock = CLOCK[0]
     elapsed = 0.0  # broker time only: the consumer's decoding here is not the broker's work
-    parts = [0.0, 0.0, 0.0]
+    parts = [0.0, 0.0, 0.0, 0.0, 0.0]
     completed = 0
     for chunk in chunks:
         t0 = clock()
         _feed(producer, chunk)
         if store is not None:  # what qflowd's store task does after a read, its thread's part inline
+            t1 = clock()
             commit = store.prepare()
             broker.flush()
+            t2 = clock()
+            parts[2] += t2 - t1
             if commit is not None:
                 if commit.batch is not None:
-                    t1 = clock()
                     journal.write_and_sync(commit.batch)
-                    parts[2] += clock() - t1
                     journal.committed(commit.batch)
+                t3 = clock()
+                parts[3] += t3 - t2
                 store.finish(commit)
                 broker.flush()
+                parts[4] += clock() - t3
         completed += len(producer.encoder.take())
         out = consumer.encoder.take()
         parts[0] += clock() - t0
@@ -215,7 +221,7 @@ def persistent_overhead(count: int = 200_000, size: int = 64, batch: int = 500, 
         journal_module.fsync_dir = lambda path: None  # type: ignore[assignment]
     CLOCK[0] = time.thread_time
     pairs = []
-    writer = []
+    split: list[list[float]] = []  # the persistent rounds' PARTS
 
     async def run() -> None:
         for _ in range(rounds):
@@ -223,13 +229,20 @@ def persistent_overhead(count: int = 200_000, size: int = 64, batch: int = 500, 
             transient = one_round(count, size, batch, NO_FLOW)
             persistent = one_round(count, size, batch, NO_FLOW, persistent=True)
             pairs.append((transient, persistent))
-            writer.append(PARTS[-1][2])
+            split.append(PARTS[-1])
 
     trio.run(run)
     us = 1e6 / count
+
+    def part(i: int) -> float:
+        return round(statistics.median(p[i] for p in split) * us, 3)
+
     return {"us_per_msg_transient": round(statistics.median(a for a, _ in pairs) * us, 3),
             "us_per_msg_persistent": round(statistics.median(b for _, b in pairs) * us, 3),
-            "writer_us": round(statistics.median(writer) * us, 3),
+            # of us_per_msg_persistent: the producer's reads (transfers, deliveries) without the store's
+            # part, the consumer's (accepts, credit: also the journal's dequeues), and the store's steps
+            "read_us": round(statistics.median(p[0] - p[2] - p[3] - p[4] for p in split) * us, 3),
+            "accept_us": part(1), "stage_us": part(2), "writer_us": part(3), "release_us": part(4),
             "persistent_over_transient": round(statistics.median(b / a for a, b in pairs), 3),
             "rounds": rounds, "count": count, "size": size, "sync": sync}
 
