@@ -14,8 +14,6 @@ removal is lazy, and a removal lost in a crash means a redelivery.
 The cycle, all on the event loop except ``write_and_sync``::
 
     holder woken (inside an apply)     -> wake(): only a signal; nothing may be released mid-apply
-    store.stage()                      -> (while a commit is in flight) the same staging and releases
-                                          as prepare's, so that these never wait for a sync
     commit = store.prepare()           -> stages the holds that arrived, releases the transient ones
     journal.write_and_sync(commit.batch)     (worker thread)
     store.finish(commit); broker.flush()     -> the persistent transfers complete, unless the
@@ -277,21 +275,15 @@ class MessageStore:
             self._persistent_head = entry[ENTRY_HEAD_SIZE:props + len(_ONLY_DURABLE)]
         return True
 
-    def stage(self) -> None:
-        """On the loop, between input batches, also while a commit is in flight:
-        stage what arrived, and release the holds of the transfers that need no
-        write (transient, or dequeued before they were staged): then the caller
-        flushes the broker, and those complete without waiting for a sync."""
+    def prepare(self) -> Commit | None:
+        """On the loop, between input batches: stage what arrived, release the
+        transient transfers' holds (then the caller flushes the broker), and take
+        the next commit; None if there is nothing to write or wait for."""
         self._stage_arrivals()
         self._early.clear()  # every hold given before this point has been staged above
         if self._now:
             self.holder.release(self._now)
             self._now = []
-
-    def prepare(self) -> Commit | None:
-        """On the loop, between input batches: :meth:`stage`, then take the
-        next commit; None if there is nothing to write or wait for."""
-        self.stage()
         batch = self.journal.take_staged()
         if batch is None and not self._waiting:
             return None
