@@ -12,6 +12,19 @@ that does not ask gets them).
 
 Use it to measure a change to the broker's hot path in isolation: figures
 are microseconds of broker CPU per message, medians of several rounds.
+
+``--persistent``: the same on a durable queue from a durable sender, with the
+message store (qflow.store.message_store) holding every transfer and a journal
+(qflow.store.journal) in a fresh temporary directory, committed after each
+read as qflowd's store task does, but inline: the writer thread's work
+(encode, crc, write, sync) is timed with the rest, and also apart
+(``writer_us``). Rounds alternate with transient ones, and ``persistent_over
+_transient`` is the median of the pairs' ratios of CPU per message (2.0 is the
+most the throughput goal, persistent at least half of transient, allows when
+the broker's CPU is the limit). ``--sync stub`` replaces fdatasync and the
+directory fsync by nothing, for the CPU alone; ``--sync real`` (the default)
+syncs to the temporary directory's disk, and its wait is not counted: only
+the calling thread's CPU time (time.thread_time) is.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import msgpack
@@ -34,8 +48,13 @@ from qflow.broker import Broker  # noqa: E402
 from qflow.broker.acl import parse  # noqa: E402
 from qflow.protocol.framing import PROTOCOL_HEADER  # noqa: E402
 from qflow.server.pump import ConnectionPump  # noqa: E402
+from qflow.store.journal import Journal  # noqa: E402
+from qflow.store.message_store import MessageStore  # noqa: E402
 
-PARTS: list[list[float]] = []  # per round: seconds in [transfers and deliveries, accepts and credit]
+# Per round, seconds in: [transfers and deliveries (with the store's work), accepts and credit, and of the
+# first, the store's: staging (prepare), the writer, releasing (finish and its flush)]
+PARTS: list[list[float]] = []
+CLOCK = [time.perf_counter]  # --persistent: time.thread_time (a real sync's wait is not the broker's CPU)
 NO_FLOW = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
 
 
@@ -51,10 +70,23 @@ def _open(conn: ConnectionPump, deliver_runs: bool = False) -> None:
 
 
 def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: bool = True,
-              acl: bool = False) -> float:
+              acl: bool = False, persistent: bool = False) -> float:
     """Seconds of broker work for ``count`` messages through one queue (``acl``:
-    with bench/auth.py's BENCH_ACL in force)."""
+    with bench/auth.py's BENCH_ACL in force; ``persistent``: durable, see the module's doc)."""
+    if persistent:
+        with tempfile.TemporaryDirectory(prefix="qflow-core-") as tmp:
+            return _round(count, size, batch, arguments, deliver_runs, acl, tmp)
+    return _round(count, size, batch, arguments, deliver_runs, acl, None)
+
+
+def _round(count: int, size: int, batch: int, arguments: dict, deliver_runs: bool, acl: bool,
+           data_dir: str | None) -> float:
     broker = Broker()
+    store = journal = None
+    if data_dir is not None:
+        journal = Journal(data_dir)
+        journal.recover()
+        store = MessageStore(broker, journal)
     if acl:
         from auth import BENCH_ACL  # noqa: E402 - bench/ is not a package
 
@@ -64,13 +96,13 @@ def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: 
     _open(producer)
     _open(consumer, deliver_runs)
     pk = msgpack.Packer(use_bin_type=True)
-    _feed(producer, pk.pack([P.QUEUE_DECLARE, 0, "bench", False, False, False, arguments, False]))
+    _feed(producer, pk.pack([P.QUEUE_DECLARE, 0, "bench", store is not None, False, False, arguments, False]))
     _feed(consumer, pk.pack([P.SUBSCRIBE, 0, "bench", "d", P.ACCEPT_EXPLICIT, P.ACQUIRE_PRE_ACQUIRED, 0])
           + pk.pack([P.FLOW, 0, "d", 1000, -1]))
     producer.encoder.take()
     consumer.encoder.take()
     body = b"x" * size
-    frame = pk.pack([P.TRANSFER, 0, "", "bench", None, body])
+    frame = pk.pack([P.TRANSFER, 0, "", "bench", {"durable": True} if store else None, body])
     chunks = [frame * batch] * (count // batch)
     unpacker = msgpack.Unpacker(raw=False)
     delivered = 0
@@ -78,13 +110,29 @@ def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: 
     credited = 0
     pending_credit = 0
     gc.collect()
-    clock = time.perf_counter
+    clock = CLOCK[0]
     elapsed = 0.0  # broker time only: the consumer's decoding here is not the broker's work
-    parts = [0.0, 0.0]
+    parts = [0.0, 0.0, 0.0, 0.0, 0.0]
+    completed = 0
     for chunk in chunks:
         t0 = clock()
         _feed(producer, chunk)
-        producer.encoder.take()
+        if store is not None:  # what qflowd's store task does after a read, its thread's part inline
+            t1 = clock()
+            commit = store.prepare()
+            broker.flush()
+            t2 = clock()
+            parts[2] += t2 - t1
+            if commit is not None:
+                if commit.batch is not None:
+                    journal.write_and_sync(commit.batch)
+                    journal.committed(commit.batch)
+                t3 = clock()
+                parts[3] += t3 - t2
+                store.finish(commit)
+                broker.flush()
+                parts[4] += clock() - t3
+        completed += len(producer.encoder.take())
         out = consumer.encoder.take()
         parts[0] += clock() - t0
         elapsed += clock() - t0
@@ -111,6 +159,12 @@ def one_round(count: int, size: int, batch: int, arguments: dict, deliver_runs: 
             elapsed += clock() - t0
     if delivered != count:
         raise SystemExit(f"delivered {delivered} of {count}")
+    if not completed:
+        raise SystemExit("the producer was told of no completion")
+    if journal is not None:
+        if journal.live_messages() != count - accepted:
+            raise SystemExit(f"the journal holds {journal.live_messages()} messages, {count - accepted} are unaccepted")
+        journal.close()
     PARTS.append(parts)
     return elapsed
 
@@ -147,6 +201,52 @@ def acl_overhead(count: int = 200_000, size: int = 64, batch: int = 500, rounds:
             "acl_over_none": round(statistics.median(b / a for a, b in pairs), 3), "rounds": rounds, "count": count}
 
 
+def persistent_overhead(count: int = 200_000, size: int = 64, batch: int = 500, rounds: int = 6,
+                        sync: str = "real") -> dict:
+    """Broker CPU us/msg transient and persistent (the store and its journal
+    included, the writer's share apart), rounds alternated in one run;
+    ``persistent_over_transient`` is the median of each pair's ratio."""
+    if sync == "stub":
+        import qflow.store.journal as journal_module
+
+        class _NoSync:  # os, but syncing nothing: the CPU without the disk
+            def __getattr__(self, name: str) -> object:
+                return getattr(os, name)
+
+            @staticmethod
+            def fdatasync(fd: int) -> None:
+                pass
+
+        journal_module.os = _NoSync()  # type: ignore[assignment]
+        journal_module.fsync_dir = lambda path: None  # type: ignore[assignment]
+    CLOCK[0] = time.thread_time
+    pairs = []
+    split: list[list[float]] = []  # the persistent rounds' PARTS
+
+    async def run() -> None:
+        for _ in range(rounds):
+            PARTS.clear()
+            transient = one_round(count, size, batch, NO_FLOW)
+            persistent = one_round(count, size, batch, NO_FLOW, persistent=True)
+            pairs.append((transient, persistent))
+            split.append(PARTS[-1])
+
+    trio.run(run)
+    us = 1e6 / count
+
+    def part(i: int) -> float:
+        return round(statistics.median(p[i] for p in split) * us, 3)
+
+    return {"us_per_msg_transient": round(statistics.median(a for a, _ in pairs) * us, 3),
+            "us_per_msg_persistent": round(statistics.median(b for _, b in pairs) * us, 3),
+            # of us_per_msg_persistent: the producer's reads (transfers, deliveries) without the store's
+            # part, the consumer's (accepts, credit: also the journal's dequeues), and the store's steps
+            "read_us": round(statistics.median(p[0] - p[2] - p[3] - p[4] for p in split) * us, 3),
+            "accept_us": part(1), "stage_us": part(2), "writer_us": part(3), "release_us": part(4),
+            "persistent_over_transient": round(statistics.median(b / a for a, b in pairs), 3),
+            "rounds": rounds, "count": count, "size": size, "sync": sync}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--count", type=int, default=200_000)
@@ -158,7 +258,15 @@ def main() -> None:
                         help="a consumer that takes one message.deliver frame per message")
     parser.add_argument("--acl", action="store_true",
                         help="without and with an ACL (bench/auth.py BENCH_ACL), interleaved: the ratio")
+    parser.add_argument("--persistent", action="store_true",
+                        help="transient and persistent (a durable queue, the store, a journal), interleaved: "
+                             "CPU per message and the ratio")
+    parser.add_argument("--sync", choices=("real", "stub"), default="real",
+                        help="--persistent: fdatasync for real, or replaced by nothing (the CPU alone)")
     args = parser.parse_args()
+    if args.persistent:
+        print(json.dumps(persistent_overhead(args.count, args.size, args.batch, args.rounds, args.sync)))
+        return
     if args.acl:
         print(json.dumps(acl_overhead(args.count, args.size, args.batch, args.rounds)))
         return

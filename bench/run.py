@@ -151,16 +151,27 @@ def _expect(proc: subprocess.Popen, word: str) -> str:
     return line[len(word):].strip()
 
 
-def run_clients(*procs: subprocess.Popen) -> list[float]:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process ``pid`` used so far, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_clients(*procs: subprocess.Popen, cpu: list[float] | None = None) -> list[float]:
     """Wait until every client is READY, say go to all, return each one's RESULT
-    time (time.perf_counter, the same monotonic clock in every process)."""
+    time (time.perf_counter, the same monotonic clock in every process).
+    ``cpu``: each client's CPU seconds, from READY to RESULT, are appended to it."""
     try:
         for proc in procs:
             _expect(proc, "READY")
+        before = [cpu_seconds(proc.pid) for proc in procs] if cpu is not None else []
         for proc in procs:
             proc.stdin.write("go\n")
             proc.stdin.flush()
         results = [float(_expect(proc, "RESULT")) for proc in procs]
+        if cpu is not None:
+            cpu += [cpu_seconds(proc.pid) - b for proc, b in zip(procs, before, strict=True)]
         for proc in procs:
             proc.stdin.close()
             if proc.wait():
@@ -217,10 +228,15 @@ def _throughput(d: qflowd.Daemon, count: int, size: int, arguments: dict | None,
     consumer = _client("consume", port, "bench", count, size, rate=consumer_rate, style=style, env=client_env)
     producer = _client("produce", port, "bench", count, size, style=style, env=client_env, durable=durable)
     # From the producer's first send to the consumer's last fetch.
-    t_last, t0 = run_clients(consumer, producer)
+    clients_cpu: list[float] = []
+    broker_cpu = cpu_seconds(proc.pid)
+    t_last, t0 = run_clients(consumer, producer, cpu=clients_cpu)
+    broker_cpu = cpu_seconds(proc.pid) - broker_cpu  # with the clients' connecting: small beside the run
     elapsed = t_last - t0
     stats = trio.run(_query, port, "bench", credentials)
+    # CPU per message, which a loaded machine disturbs far less than the wall clock (clock ticks: 10 ms).
     return {"msgs_per_s": round(count / elapsed), "seconds": round(elapsed, 3),
+            "broker_cpu_us": round(broker_cpu / count * 1e6, 3), "clients_cpu_us": round(sum(clients_cpu) / count * 1e6, 3),
             "broker_peak_rss": rss_peak_bytes(proc.pid), "flow_stopped_count": stats["flowStoppedCount"]}
 
 
@@ -359,13 +375,31 @@ def main() -> None:
         """Median over rounds of a/b, each ratio from runs next to each other."""
         return statistics.median(x["msgs_per_s"] / y["msgs_per_s"] for x, y in zip(results[a], results[b], strict=True))
 
+    def cpu_ratio(a: str, b: str) -> float | None:
+        """Median over rounds of the broker's CPU per message of a over b; None when
+        no run was long enough for the CPU clock's ticks (10 ms) to count (the smoke run)."""
+        ratios = [x["broker_cpu_us"] / y["broker_cpu_us"]
+                  for x, y in zip(results[a], results[b], strict=True) if x["broker_cpu_us"] and y["broker_cpu_us"]]
+        return round(statistics.median(ratios), 3) if ratios else None
+
     print(method_line(count, rounds))
     for name, runs in results.items():
         print(f"{name:>22}: " + "  ".join(f"{r['msgs_per_s']:>8} msg/s" for r in runs) + f"   median {med[name]:.0f}")
     print(f"{'spin loop, each round':>22}: " + "  ".join(f"{s:>8.3f} s    " for s in spins)
           + f"   before the run {spin_before:.3f} s (lower: a faster machine)")
     if only:
-        print(json.dumps({**{f"msgs_per_s_{name}": med[name] for name in workloads}, "count": count, "rounds": rounds,
+        # The persistent goal's ratios, when both sides of one were run.
+        ratios = {}
+        for size in ("64b", "1k"):
+            if size in workloads and f"{size}_persistent" in workloads:
+                ratios[f"persistent_over_transient_{size}"] = round(paired(f"{size}_persistent", size), 3)
+                ratios[f"broker_cpu_persistent_over_transient_{size}"] = cpu_ratio(f"{size}_persistent", size)
+        ratios["broker_cpu_us"] = {name: statistics.median(r["broker_cpu_us"] for r in runs)
+                                   for name, runs in results.items()}
+        ratios["clients_cpu_us"] = {name: statistics.median(r["clients_cpu_us"] for r in runs)
+                                    for name, runs in results.items()}
+        print(json.dumps({**{f"msgs_per_s_{name}": med[name] for name in workloads}, **ratios,
+                          "count": count, "rounds": rounds,
                           "spin_loop_s": [round(spin_before, 3), round(spin_loop(), 3)],
                           "spin_loop_s_rounds": [round(s, 3) for s in spins]}))
         return
@@ -398,6 +432,8 @@ def main() -> None:
         "msgs_per_s_1k_persistent": med["1k_persistent"],
         "persistent_over_transient_64b": round(paired("64b_persistent", "64b"), 3),
         "persistent_over_transient_1k": round(paired("1k_persistent", "1k"), 3),
+        "broker_cpu_persistent_over_transient_64b": cpu_ratio("64b_persistent", "64b"),
+        "broker_cpu_persistent_over_transient_1k": cpu_ratio("1k_persistent", "1k"),
         "recovery_1m_s": recovered["recovery_s"],
         "recovery_1m_broker_logged_s": recovered["broker_logged_s"],
         "recovery_messages": recovered["messages"],

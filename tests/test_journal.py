@@ -228,8 +228,8 @@ def test_a_batch_counts_whole_or_not_at_all(tmp_path):
     j.enqueue("q", entry(2, b"two"))
     j.enqueue("q", entry(3, b"three"))
     batch = j.take_staged()
-    op, items = batch.sections[0]
-    batch.sections[0] = (op, [items[0], (items[1][0], items[1][1], 7)])
+    assert batch.sections[0][1][1][2] == 1  # the second enqueue names body 1: made to name body 7
+    batch.enq_bodies[1] = 7
     j.write_and_sync(batch)
     j.committed(batch)
     j.close()

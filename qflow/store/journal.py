@@ -10,7 +10,9 @@ stages the next batch:
   segment, decides carry-forward and which segments die; returns a
   :class:`Batch`, which nothing on the loop touches again;
 * :meth:`Journal.write_and_sync` (worker thread, one at a time): encodes the
-  batch, ``os.writev`` + ``os.fdatasync``, then unlinks the segments it killed;
+  batch (in C, ``native/journal.c``, with the GIL released: one call per
+  batch, not one per message), ``os.writev`` + ``os.fdatasync``, then unlinks
+  the segments it killed;
 * :meth:`Journal.committed` (loop, after the sync): the size counter.
 
 :meth:`Journal.commit` does the three in a row for a single-threaded caller.
@@ -59,10 +61,14 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby, repeat
 from pathlib import Path
 
+from qflow._journal_native import ffi as _ffi
+from qflow._journal_native import lib as _lib
 from qflow.protocol.entries import ENTRY_HEAD, ENTRY_HEAD_SIZE, REDELIVERED_YES, Entry, seq_and_size
 from qflow.store.datadir import fsync_dir
 
@@ -97,46 +103,85 @@ class _BadRecord(Exception):
     """A record that ends a recovery."""
 
 
+class _Group:
+    """The live messages one batch enqueued (or one segment held at recovery):
+    queue -> seq -> entry, with their count and bytes. The journal maps each
+    live message to its group, and a group to its segment once the batch is
+    taken (``segment`` None: staged), so that taking a batch moves its
+    messages into a segment in one step, whatever their number."""
+
+    __slots__ = ("segment", "members", "live", "live_bytes")
+
+    def __init__(self, segment: _Segment | None = None) -> None:
+        self.segment = segment
+        self.members: dict[str, dict[int, Entry]] = {}
+        self.live = 0
+        self.live_bytes = 0
+
+    def add(self, queue: str, seq: int, entry: Entry) -> None:
+        self.members.setdefault(queue, {})[seq] = entry
+        self.count(1, len(entry))
+
+    def count(self, n: int, nbytes: int) -> None:
+        """``n`` messages of ``nbytes`` came (negative: went)."""
+        self.live += n
+        self.live_bytes += nbytes
+        seg = self.segment
+        if seg is not None:
+            seg.live += n
+            seg.live_bytes += nbytes
+
+    def remove(self, queue: str, seq: int) -> None:
+        self.count(-1, -len(self.members[queue].pop(seq)))
+
+
 class _Segment:
     """A segment file as the loop sees it: its size so far and what is live in it."""
 
-    __slots__ = ("number", "size", "live", "live_bytes", "members")
+    __slots__ = ("number", "size", "live", "live_bytes", "groups")
 
     def __init__(self, number: int) -> None:
         self.number = number
         self.size = 0  # bytes placed in it (the header included), written or about to be
         self.live = 0
         self.live_bytes = 0
-        self.members: dict[str, dict[int, Entry]] = {}  # its live messages: queue -> seq -> entry
+        self.groups: list[_Group] = []  # its live messages, by the batch that wrote them
 
-    def add(self, queue: str, seq: int, entry: Entry) -> None:
-        self.members.setdefault(queue, {})[seq] = entry
-        self.live += 1
-        self.live_bytes += len(entry)
+    def take(self, group: _Group) -> None:
+        """``group``'s batch is written here."""
+        group.segment = self
+        self.groups.append(group)
+        self.live += group.live
+        self.live_bytes += group.live_bytes
 
-    def add_many(self, queue: str, entries: dict[int, Entry]) -> None:
-        """:meth:`add` for each (seq, entry) of ``entries``."""
-        members = self.members.get(queue)
-        if members is None:
-            self.members[queue] = entries.copy()
-        else:
-            members.update(entries)
-        self.live += len(entries)
-        self.live_bytes += sum(map(len, entries.values()))
+    def members(self) -> list[tuple[str, dict[int, Entry]]]:
+        """Its live messages: (queue, seq -> entry), a queue possibly more than once."""
+        return [(q, m) for g in self.groups for q, m in g.members.items() if m]
 
-    def remove(self, queue: str, seq: int) -> None:
-        entry = self.members[queue].pop(seq)
-        self.live -= 1
-        self.live_bytes -= len(entry)
+
+def _u32s() -> array:
+    return array("I")
 
 
 @dataclass
 class Batch:
-    """One commit's worth, handed from the loop to the writer. Immutable once taken."""
+    """One commit's worth, handed from the loop to the writer. Immutable once taken.
+
+    Held as flat columns, so that staging a run of N messages costs a few
+    bulk calls and the writer hands the whole batch to C in one call
+    (native/journal.h says what each column is); :attr:`sections` and
+    :attr:`bodies` show it item by item."""
 
     names: list[str] = field(default_factory=list)
-    bodies: list[tuple[int, Entry]] = field(default_factory=list)  # (body size, an entry carrying that tail)
-    sections: list[tuple[int, list[tuple[int, ...]]]] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)  # per enqueue item: its entry (sequence, and tail)
+    enq_names: array = field(default_factory=_u32s)  # per enqueue item: its queue's index in names
+    enq_bodies: array = field(default_factory=_u32s)  # per enqueue item: its body's index
+    body_entries: array = field(default_factory=_u32s)  # per body: the enqueue item whose entry carries it
+    deq_names: array = field(default_factory=_u32s)
+    deq_seqs: array = field(default_factory=lambda: array("Q"))
+    del_names: array = field(default_factory=_u32s)
+    section_ops: bytearray = field(default_factory=bytearray)  # in staging order: each takes the next
+    section_counts: array = field(default_factory=_u32s)  # section_counts items of its op
     tail_bytes: int = 0
     segment: int = 0  # the segment it is written to
     new_segment: bool = False  # the writer creates that segment first
@@ -144,7 +189,37 @@ class Batch:
     record_size: int = 0  # the record's bytes (a new segment's header included)
 
     def __bool__(self) -> bool:
-        return bool(self.sections)
+        return bool(self.section_ops)
+
+    @property
+    def bodies(self) -> list[tuple[int, Entry]]:
+        """(body size, the entry carrying that tail), by body index."""
+        return [(seq_and_size(self.entries[i])[1], self.entries[i]) for i in self.body_entries]
+
+    @property
+    def sections(self) -> list[tuple[int, list[tuple[int, ...]]]]:
+        """(op, items) in staging order, each item as the record holds it:
+        (name, sequence, body), (name, sequence) or (name,)."""
+        out: list[tuple[int, list[tuple[int, ...]]]] = []
+        taken = {OP_ENQUEUE: 0, OP_DEQUEUE: 0, OP_DELETE: 0}
+        for op, n in zip(self.section_ops, self.section_counts, strict=True):
+            i = taken[op]
+            taken[op] = i + n
+            if op == OP_ENQUEUE:
+                items: list[tuple[int, ...]] = [(self.enq_names[k], seq_and_size(self.entries[k])[0],
+                                                 self.enq_bodies[k]) for k in range(i, i + n)]
+            elif op == OP_DEQUEUE:
+                items = list(zip(self.deq_names[i:i + n], self.deq_seqs[i:i + n], strict=True))
+            else:
+                items = [(k,) for k in self.del_names[i:i + n]]
+            out.append((op, items))
+        return out
+
+    def payload_size(self) -> int:
+        """The bytes :func:`encode` makes of it."""
+        return 1 + 4 + sum(2 + len(n.encode()) for n in self.names) + 4 + _BODY.size * len(self.body_entries) \
+            + 4 + _SECTION.size * len(self.section_ops) + _ENQ.size * len(self.enq_names) \
+            + _DEQ.size * len(self.deq_names) + _U32.size * len(self.del_names) + self.tail_bytes
 
 
 class Journal:
@@ -164,9 +239,9 @@ class Journal:
         self.segment_size = segment_size
         self.carry_below = carry_below
         self._segments: dict[int, _Segment] = {}  # oldest first (insertion order)
-        self._live: dict[str, dict[int, _Segment | None]] = {}  # queue -> seq -> its segment (None: staged)
+        self._live: dict[str, dict[int, _Group]] = {}  # queue -> seq -> its group
         self._staged = Batch()
-        self._staged_members: dict[str, dict[int, Entry]] = {}  # enqueued in the staged batch, still live
+        self._staging = _Group()  # enqueued in the staged batch, still live
         self._name_index: dict[str, int] = {}
         self._current: _Segment | None = None
         self._in_flight = False
@@ -185,11 +260,15 @@ class Journal:
             self._staged.names.append(queue)
         return i
 
-    def _section(self, op: int) -> list[tuple[int, ...]]:
-        sections = self._staged.sections
-        if not sections or sections[-1][0] != op:
-            sections.append((op, []))
-        return sections[-1][1]
+    def _section(self, op: int, n: int) -> None:
+        """The next ``n`` staged items of ``op`` follow the ones staged so far."""
+        staged = self._staged
+        ops = staged.section_ops
+        if ops and ops[-1] == op:
+            staged.section_counts[-1] += n
+        else:
+            ops.append(op)
+            staged.section_counts.append(n)
 
     def enqueue(self, queue: str, entry: Entry) -> None:
         """Stage ``entry`` (a stored entry, qflow.protocol.entries) on ``queue``."""
@@ -205,20 +284,21 @@ class Journal:
             return
         staged = self._staged
         first = placements[0][1]
-        size = seq_and_size(first)[1]
-        body = len(staged.bodies)
-        staged.bodies.append((size, first))
+        body = len(staged.body_entries)
+        staged.body_entries.append(len(staged.entries))
         staged.tail_bytes += len(first) - ENTRY_HEAD_SIZE
-        items = self._section(OP_ENQUEUE)
-        live, members = self._live, self._staged_members
+        self._section(OP_ENQUEUE, len(placements))
+        live, group = self._live, self._staging
         for queue, entry in placements:
             seq = seq_and_size(entry)[0]
-            items.append((self._name(queue), seq, body))
+            staged.entries.append(entry)
+            staged.enq_names.append(self._name(queue))
+            staged.enq_bodies.append(body)
             old = live.setdefault(queue, {}).get(seq)
             if old is not None:  # a second copy (carry-forward): the newest is the one that counts
                 old.remove(queue, seq)
-            live[queue][seq] = None
-            members.setdefault(queue, {})[seq] = entry
+            live[queue][seq] = group
+            group.add(queue, seq, entry)
 
     def enqueue_run(self, queue: str, entries: Sequence[Entry]) -> None:
         """Stage ``entries``, distinct messages, on ``queue``: what
@@ -226,53 +306,71 @@ class Journal:
         to one queue is the usual input)."""
         if not self._recovered:
             raise JournalError("stage after recover(): the journal is not open yet")
+        n = len(entries)
+        if not n:
+            return
         staged = self._staged
-        bodies = staged.bodies
-        body = len(bodies)
-        items = self._section(OP_ENQUEUE)
+        first, body = len(staged.entries), len(staged.body_entries)
         name = self._name(queue)
+        # Bulk calls, no Python loop per message: a run is the store's usual input.
+        staged.entries += entries
+        staged.enq_names.extend(repeat(name, n))
+        staged.enq_bodies.extend(range(body, body + n))
+        staged.body_entries.extend(range(first, first + n))
+        nbytes = sum(map(len, entries))
+        staged.tail_bytes += nbytes - ENTRY_HEAD_SIZE * n
+        self._section(OP_ENQUEUE, n)
+        seqs = [seq for (seq,) in map(_seq_tuple, entries)]
         live = self._live.setdefault(queue, {})
-        members = self._staged_members.setdefault(queue, {})
-        tail_bytes = 0
-        for entry in entries:
-            seq, size = seq_and_size(entry)
-            bodies.append((size, entry))
-            items.append((name, seq, body))
-            body += 1
-            tail_bytes += len(entry)
-            old = live.get(seq)
-            if old is not None:  # a second copy (carry-forward): the newest is the one that counts
-                old.remove(queue, seq)
-            live[seq] = None
-            members[seq] = entry
-        staged.tail_bytes += tail_bytes - ENTRY_HEAD_SIZE * len(entries)
+        if not live.keys().isdisjoint(seqs):
+            for seq in seqs:
+                old = live.get(seq)
+                if old is not None:  # a second copy (carry-forward): the newest is the one that counts
+                    old.remove(queue, seq)
+        group = self._staging
+        live.update(zip(seqs, repeat(group)))
+        members = group.members.get(queue)
+        if members is None:
+            group.members[queue] = dict(zip(seqs, entries, strict=True))
+        else:
+            members.update(zip(seqs, entries, strict=True))
+        group.count(n, nbytes)
 
     def dequeue_many(self, queue: str, entries: Iterable[Entry]) -> list[int]:
         """:meth:`dequeue` for each of ``entries`` (stored entries) of ``queue``,
         in one call; returns the sequence numbers of those the journal does not
         hold (nothing staged for them)."""
-        segs = self._live.get(queue)
-        if segs is None:
-            return [seq for (seq,) in map(_seq_tuple, entries)]
-        missing: list[int] = []
-        removed: list[int] = []
-        staged_members = self._staged_members.get(queue)
-        for (seq,) in map(_seq_tuple, entries):
-            seg = segs.pop(seq, _ABSENT)
-            if seg is _ABSENT:
-                missing.append(seq)
-                continue
-            if seg is None:
-                del staged_members[seq]  # type: ignore[index]  # staged, so its queue has staged members
-            else:
-                entry = seg.members[queue].pop(seq)  # seg.remove, inlined: per message
-                seg.live -= 1
-                seg.live_bytes -= len(entry)
-            removed.append(seq)
+        seqs = [seq for (seq,) in map(_seq_tuple, entries)]
+        live = self._live.get(queue)
+        if live is None:
+            return seqs
+        groups = list(map(live.pop, seqs, repeat(None)))
+        if groups and groups[0] is not None and groups.count(groups[0]) == len(groups):
+            removed, missing = seqs, []  # the usual: all written by one batch
+            self._remove_from(groups[0], queue, seqs)
+        else:
+            removed, missing = [], []
+            pos = 0
+            for group, same in groupby(groups):  # runs of one group (consecutive messages were written together)
+                k = len(list(same))
+                part = seqs[pos:pos + k]
+                pos += k
+                if group is None:
+                    missing += part
+                else:
+                    removed += part
+                    self._remove_from(group, queue, part)
         if removed:
-            name = self._name(queue)
-            self._section(OP_DEQUEUE).extend([(name, seq) for seq in removed])
+            staged = self._staged
+            staged.deq_names.extend(repeat(self._name(queue), len(removed)))
+            staged.deq_seqs.extend(removed)
+            self._section(OP_DEQUEUE, len(removed))
         return missing
+
+    @staticmethod
+    def _remove_from(group: _Group, queue: str, seqs: list[int]) -> None:
+        gone = list(map(group.members[queue].pop, seqs))
+        group.count(-len(gone), -sum(map(len, gone)))
 
     def dequeue(self, queue: str, seq: int) -> bool:
         """Stage the removal of message ``seq`` of ``queue``; False (and nothing
@@ -280,23 +378,20 @@ class Journal:
         segs = self._live.get(queue)
         if segs is None or seq not in segs:
             return False
-        self._forget(queue, seq, segs.pop(seq))
-        self._section(OP_DEQUEUE).append((self._name(queue), seq))
+        segs.pop(seq).remove(queue, seq)
+        self._staged.deq_names.append(self._name(queue))
+        self._staged.deq_seqs.append(seq)
+        self._section(OP_DEQUEUE, 1)
         return True
 
     def delete_queue(self, queue: str) -> None:
         """Stage the deletion of ``queue``: every message it has now is gone for good."""
         if not self._recovered:
             raise JournalError("stage after recover(): the journal is not open yet")
-        for seq, seg in self._live.pop(queue, {}).items():
-            self._forget(queue, seq, seg)
-        self._section(OP_DELETE).append((self._name(queue),))
-
-    def _forget(self, queue: str, seq: int, seg: _Segment | None) -> None:
-        if seg is None:
-            del self._staged_members[queue][seq]
-        else:
-            seg.remove(queue, seq)
+        for seq, group in self._live.pop(queue, {}).items():
+            group.remove(queue, seq)
+        self._staged.del_names.append(self._name(queue))
+        self._section(OP_DELETE, 1)
 
     def has_staged(self) -> bool:
         return bool(self._staged)
@@ -319,9 +414,7 @@ class Journal:
         if not batch:
             return None
         self._staged, self._name_index = Batch(), {}
-        payload = 1 + 4 + sum(2 + len(n.encode()) for n in batch.names) + 4 + _BODY.size * len(batch.bodies) + 4 \
-            + sum(_SECTION.size + len(items) * _item_size(op) for op, items in batch.sections) + batch.tail_bytes
-        record = _RECORD.size + payload
+        record = _RECORD.size + batch.payload_size()
         cur = self._current
         # Roll over when the record does not fit, and also when nothing at all is live and the current
         # segment is over 1/8 full: then every segment dies with this commit, and the size falls to
@@ -337,13 +430,9 @@ class Journal:
         batch.record_size = record
         cur.size += record - (_HEADER_RECORD_SIZE if batch.new_segment else 0)
         self._size += record
-        live = self._live
-        for queue, seqs in self._staged_members.items():
-            if not seqs:  # all dequeued or deleted before this take
-                continue
-            live[queue].update(dict.fromkeys(seqs, cur))
-            cur.add_many(queue, seqs)
-        self._staged_members = {}
+        if self._staging.live:  # else all dequeued or deleted before this take
+            cur.take(self._staging)
+        self._staging = _Group()
         for seg in list(self._segments.values()):  # oldest first: each dies only after all older ones
             if seg is cur or seg.live:
                 break
@@ -364,7 +453,7 @@ class Journal:
         # Entries that differ only in their heads are one message on several queues (fanout,
         # topic): carried forward together, their body is still stored once.
         copies: dict[memoryview, list[tuple[str, Entry]]] = {}
-        for queue, seqs in list(head.members.items()):
+        for queue, seqs in head.members():
             for entry in list(seqs.values()):
                 copies.setdefault(memoryview(entry)[ENTRY_HEAD_SIZE:], []).append((queue, entry))
         for placements in copies.values():
@@ -378,7 +467,7 @@ class Journal:
         try:
             if batch.new_segment:
                 self._open_segment(batch.segment)
-            payload = _encode(batch)
+            payload = encode(batch)
             head = _RECORD.pack(len(payload), zlib.crc32(payload))
             written = os.writev(self._fd, [head, payload])
             if written != len(head) + len(payload):
@@ -468,17 +557,27 @@ class Journal:
             self._segments[number].size = sizes[number]
         self._size = sum(sizes.values())
         result: dict[str, list[Entry]] = {}
+        groups: dict[int, _Group] = {}  # per segment, what it holds live
         for queue, msgs in state.items():
             if not msgs:
                 continue
             segs = self._live[queue] = {}
             entries = result[queue] = []
-            for seq in sorted(msgs):
+            for seq in sorted(msgs):  # per message: kept to dict stores and counters (a million at a start)
                 number, entry = msgs[seq]
-                seg = self._segments[number]
-                seg.add(queue, seq, entry)
-                segs[seq] = seg
+                group = groups.get(number)
+                if group is None:
+                    group = groups[number] = _Group()  # placed in its segment below, with its counts
+                members = group.members.get(queue)
+                if members is None:
+                    members = group.members[queue] = {}
+                members[seq] = entry
+                group.live += 1
+                group.live_bytes += len(entry)
+                segs[seq] = group
                 entries.append(entry)
+        for number, group in groups.items():
+            self._segments[number].take(group)
         # Segments with nothing live die with the first commit (head first, as always).
         self._recovered = True
         return result
@@ -511,20 +610,71 @@ def _item_size(op: int) -> int:
     return _ENQ.size if op == OP_ENQUEUE else _DEQ.size if op == OP_DEQUEUE else _U32.size
 
 
-def _encode(batch: Batch) -> bytes:
-    parts: list[bytes | memoryview] = [_U8.pack(KIND_BATCH), _U32.pack(len(batch.names))]
-    for name in batch.names:
+def _encoded_names(names: list[str]) -> bytes:
+    parts = []
+    for name in names:
         raw = name.encode()
         parts += (_U16.pack(len(raw)), raw)
-    parts.append(_U32.pack(len(batch.bodies)))
-    parts += [_BODY.pack(size, len(entry) - ENTRY_HEAD_SIZE) for size, entry in batch.bodies]
-    parts.append(_U32.pack(len(batch.sections)))
-    for op, items in batch.sections:
+    return b"".join(parts)
+
+
+def encode_python(batch: Batch) -> bytes:
+    """The batch record's payload (the module's doc says its layout): the
+    reference :func:`encode_native` is compared with (tests/test_journal_encoder.py)."""
+    parts: list[bytes | memoryview] = [_U8.pack(KIND_BATCH), _U32.pack(len(batch.names)),
+                                       _encoded_names(batch.names)]
+    bodies = batch.bodies
+    parts.append(_U32.pack(len(bodies)))
+    parts += [_BODY.pack(size, len(entry) - ENTRY_HEAD_SIZE) for size, entry in bodies]
+    sections = batch.sections
+    parts.append(_U32.pack(len(sections)))
+    for op, items in sections:
         parts.append(_SECTION.pack(op, len(items)))
         pack = (_ENQ if op == OP_ENQUEUE else _DEQ if op == OP_DEQUEUE else _U32).pack
         parts += [pack(*item) for item in items]
-    parts += [memoryview(entry)[ENTRY_HEAD_SIZE:] for _, entry in batch.bodies]
+    parts += [memoryview(entry)[ENTRY_HEAD_SIZE:] for _, entry in bodies]
     return b"".join(parts)
+
+
+def encode_native(batch: Batch) -> bytearray:
+    """:func:`encode_python`'s bytes, made by native/journal.c in one call (the
+    GIL released while it runs): the writer thread's Python work per batch is
+    a join of its entries and a list of their lengths, whatever their number."""
+    entries = b"".join(batch.entries)
+    names = _encoded_names(batch.names)
+    size = batch.payload_size()
+    out = bytearray(size)
+    fb = _ffi.from_buffer
+    b = _ffi.new("qf_journal_batch *")
+    # The cdata from from_buffer must outlive the call: the struct holds only their pointers.
+    keep = (fb(names), fb(entries), fb("uint32_t[]", array("I", map(len, batch.entries))),
+            fb("uint32_t[]", batch.enq_names), fb("uint32_t[]", batch.enq_bodies),
+            fb("uint32_t[]", batch.body_entries), fb("uint32_t[]", batch.deq_names),
+            fb("uint64_t[]", batch.deq_seqs), fb("uint32_t[]", batch.del_names), fb(batch.section_ops),
+            fb("uint32_t[]", batch.section_counts), fb(out, require_writable=True))
+    (b.names, b.entries, b.entry_lens, b.enq_names, b.enq_bodies, b.body_entries, b.deq_names, b.deq_seqs,
+     b.del_names, b.section_ops, b.section_counts) = keep[:11]
+    b.names_len, b.nnames = len(names), len(batch.names)
+    b.entries_len, b.nenq, b.nbodies = len(entries), len(batch.entries), len(batch.body_entries)
+    b.ndeq, b.ndel, b.nsections = len(batch.deq_names), len(batch.del_names), len(batch.section_ops)
+    if len(batch.enq_names) != b.nenq or len(batch.enq_bodies) != b.nenq or len(batch.deq_seqs) != b.ndeq \
+            or len(batch.section_counts) != b.nsections:
+        raise JournalError("the batch's columns differ in length")
+    n = _lib.qf_journal_encode(b, keep[11], size)
+    if n != size:
+        raise JournalError(f"the batch encoder returned {n} for a payload of {size} bytes "
+                           "(-1: too small, -2: inconsistent columns, -3: out of memory)")
+    return out
+
+
+def encoder_for(kind: str | None = None) -> Callable[[Batch], bytes | bytearray]:
+    """The batch encoder: native (C) unless ``kind`` or ``$QFLOW_ACCOUNTING``
+    says python, so that make test's second pass runs every store test on the twin."""
+    kind = kind or os.environ.get("QFLOW_ACCOUNTING") or "native"
+    return encode_python if kind == "python" else encode_native
+
+
+encode = encoder_for()
 
 
 def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int, Entry]]]) -> tuple[int, str]:

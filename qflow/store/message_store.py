@@ -27,7 +27,8 @@ import logging
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -38,6 +39,7 @@ from qflow.store.quota import QuotaLimits, StoreQuota
 
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker
+    from qflow.broker.flow_limit import Held
     from qflow.broker.queue import Queue
 
 log = logging.getLogger("qflow.store")
@@ -183,6 +185,8 @@ class MessageStore:
         held = self.holder.take()
         if not held:
             return
+        if self._stage_uniform(held):
+            return
         early, journal, now = self._early, self.journal, self._now
         head = self._persistent_head
         run_queue: Queue | None = None  # a run of persistent transfers to one queue, staged in one call
@@ -219,6 +223,27 @@ class MessageStore:
                 now.append(token)
         if run:
             self._stage_run(run_queue, run, tokens)  # type: ignore[arg-type]
+
+    def _stage_uniform(self, held: list[Held]) -> bool:
+        """The usual input, staged with no Python call per transfer: every
+        transfer one message, to one queue, and persistent by the last persistent
+        message's test (see _is_persistent). False, with nothing done, otherwise."""
+        tokens, messages = zip(*held, strict=True)
+        if len(held) > 1 and (max(map(len, messages)) != 1):
+            return False
+        if len(messages[0]) != 1:
+            return False
+        queues, entries = zip(*map(itemgetter(0), messages), strict=True)
+        q = queues[0]
+        if queues.count(q) != len(queues):
+            return False
+        try:
+            if not all(map(bytes.startswith, entries, repeat(self._persistent_head), repeat(ENTRY_HEAD_SIZE))):
+                return False
+        except TypeError:  # an entry that is not bytes: the general path takes it
+            return False
+        self._stage_run(q, list(entries), list(tokens))
+        return True
 
     def _stage_run(self, q: Queue, entries: list[Entry], tokens: list[int]) -> None:
         """Stage a run of persistent messages to ``q``, one per transfer (``tokens``),
