@@ -22,6 +22,12 @@ DEFAULT_MAX_FRAME_SIZE = 1024 * 1024
 MIN_MAX_FRAME_SIZE = 4096
 READ_SIZE = 256 * 1024
 INITIAL_BUFFER = 16 * 1024  # a decoder's first buffer; it grows with the reads
+# Bytes of an unfinished frame the decoder keeps in its own chunks besides the
+# Unpacker's buffer. Past it the chunks go, and the Unpacker's buffer is the
+# one copy of the pending bytes: a half-sent large frame costs its bytes once.
+# Below it they are kept (cheap) so that a frame spanning reads is still
+# stored as it came, and an incomplete frame's claims can be probed exactly.
+KEEP_PENDING = 64 * 1024
 
 
 class FramingError(Exception):
@@ -147,6 +153,10 @@ class FrameDecoder:
                         break
                 else:
                     self._check_incomplete()
+                    if self._fed - self._frame_start > KEEP_PENDING:
+                        # The Unpacker holds these bytes too: drop our copy (see KEEP_PENDING).
+                        self._chunks = []
+                        self._chunks_start = self._fed
                     return
             except FramingError:
                 raise
@@ -156,6 +166,12 @@ class FrameDecoder:
                 raise FramingError(f"malformed frame: {exc}") from None
             except Exception as exc:  # FormatError, StackError, UnicodeDecodeError...
                 raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+    @property
+    def pending(self) -> int:
+        """Bytes fed and not yet taken as whole frames: the input this
+        decoder holds (an unfinished frame, or frames waiting behind a long command)."""
+        return self._fed - self._frame_start
 
     def position(self) -> int:
         """The stream offset where the next frame starts (see last_chunk)."""
@@ -178,8 +194,12 @@ class FrameDecoder:
     def frame_tail(self, head: bytes) -> bytes | None:
         """The encoded bytes of the frame last yielded that follow ``head``, if
         the frame begins with exactly ``head`` (else None: the sender encoded
-        its start differently). Lets the broker keep a message as it came."""
+        its start differently, or the frame came over reads holding more than
+        ``KEEP_PENDING`` and only the Unpacker kept its bytes: the broker
+        encodes it again). Lets the broker keep a message as it came."""
         begin, end = self.frame_begin, self.frame_end
+        if begin < self._chunks_start:  # a large frame over several reads: its start is no longer kept
+            return None
         last, base = self.last_chunk()
         if begin >= base:  # the usual case: the frame is in the last chunk fed
             i = begin - base
@@ -202,7 +222,7 @@ class FrameDecoder:
         """Cheap filter: do the bytes just before ``stop`` look like a bin/str/ext
         header whose length takes the frame past the limit? (They may be data
         that only looks so; :meth:`_cannot_fit` decides.)"""
-        start = max(stop - 5, self._frame_start)
+        start = max(stop - 5, self._frame_start, self._chunks_start)
         window = self._bytes(start, min(stop + 4, self._fed))
         # A 16-bit length cannot take a frame this far from the limit past it: look for 32-bit ones only.
         headers = _HEADERS_32 if stop - self._frame_start + 65538 <= self.max_frame_size else _HEADERS_ANY
@@ -222,7 +242,11 @@ class FrameDecoder:
         Zero bytes are the shortest continuation of any msgpack prefix (a zero
         completes a pending element, and makes a pending length smallest), so
         the frame fits iff it completes within the limit when padded with them.
+        Past ``KEEP_PENDING`` the frame's start is no longer kept: it is taken
+        to fit, and refused by its size once its bytes pass the limit.
         """
+        if self._frame_start < self._chunks_start:
+            return False
         probe = self._new_unpacker(self.max_frame_size)
         data = self._pending()
         probe.feed(data)
@@ -243,7 +267,7 @@ class FrameDecoder:
                 return False
 
     def _bytes(self, start: int, end: int) -> bytes:
-        """The fed bytes at offsets [start, end), start >= _frame_start."""
+        """The fed bytes at offsets [start, end), start >= _chunks_start."""
         last = self._chunks[-1] if self._chunks else b""
         base = self._fed - len(last)
         if start >= base:  # the usual case: all in the last chunk fed
