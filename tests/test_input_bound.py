@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import msgpack
 
 from qflow import protocol as P
 from qflow.protocol.framing import KEEP_PENDING, PROTOCOL_HEADER, FrameDecoder
+from tests.conftest import start_qflowd
 
 KIB = 1024
 
@@ -77,3 +81,81 @@ def test_a_large_frame_over_many_reads_decodes_whole():
     assert [f[5] for f in frames] == [body, b"x"]
     assert tails == [None, small[3:]]
     assert d.pending == 0
+
+
+# -- qflowd: --max-unfinished-input ----------------------------------------------------------------
+TIMEOUT = 60
+
+
+def _api(port: int, path: str):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT) as response:
+        return json.load(response)
+
+
+def _until(predicate, what: str) -> None:
+    """Poll ``predicate`` until true (room for a slow machine, not a timing assertion)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _raw(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    s.sendall(PROTOCOL_HEADER + msgpack.packb([P.OPEN, {}]) + msgpack.packb([P.ATTACH, 0, "half"])
+              + msgpack.packb([P.QUEUE_DECLARE, 0, "q", False, False, False, {}, False]))
+    return s
+
+
+def _frames_until_eof(s: socket.socket) -> list:
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    while data := s.recv(65536):
+        unpacker.feed(data)
+    return list(unpacker)
+
+
+def test_qflowd_closes_the_largest_holders_past_max_unfinished_input():
+    """--max-unfinished-input 1500000: three connections stopped inside
+    frames of 600, 400 and 300 KB (1.3 MB) are kept; a fourth stopping at
+    500 KB takes the total past the bound, and the largest holder (600 KB) is
+    closed with code 506 naming the option. The other three carry on: each
+    finishes its frame, and its message is on the queue."""
+    d = start_qflowd("--no-data-dir", "--max-unfinished-input", "1500000")
+    socks = []
+    try:
+        frames = [msgpack.packb([P.TRANSFER, 0, "", "q", None, os.urandom(n)]) for n in (600_000, 400_000, 300_000, 500_000)]
+        halves = [n * 1000 for n in (600, 400, 300, 500)]
+
+        def held() -> dict[str, int]:
+            return {c["peer"]: c["inputBytes"] for c in _api(d.mgmt_port, "/api/connections")}
+
+        for frame, half in zip(frames[:3], halves[:3], strict=True):
+            s = _raw(d.port)
+            socks.append(s)
+            s.sendall(frame[:half])
+        peers = ["{}:{}".format(*s.getsockname()[:2]) for s in socks]
+        _until(lambda: [held().get(p) for p in peers] == halves[:3], "the broker holds the three halves")
+        late = _raw(d.port)
+        socks.append(late)
+        late.sendall(frames[3][:halves[3]])
+        close = _frames_until_eof(socks[0])[-1]  # the largest holder is closed ...
+        assert close[:2] == [P.CLOSE, P.RESOURCE_LIMIT_EXCEEDED], close
+        assert "600000 bytes held in an unfinished frame" in close[2] and "--max-unfinished-input 1500000" in close[2]
+        # ... and the others finish their frames: their messages arrive.
+        for s, frame, half in zip(socks[1:], frames[1:], halves[1:], strict=True):
+            s.sendall(frame[half:])
+        _until(lambda: _api(d.mgmt_port, "/api/queues/q")["msgDepth"] == 3, "three messages on the queue")
+        assert len(held()) == 3
+        assert "passed --max-unfinished-input 1500000 bytes: closed 1 connection(s)" in d.log()
+    finally:
+        for s in socks:
+            s.close()
+        d.stop()
+
+
+def test_qflowd_refuses_a_negative_max_unfinished_input():
+    """A bad value is refused at start, naming the option."""
+    proc = subprocess.run([sys.executable, "-m", "qflow.cli.qflowd", "--max-unfinished-input", "-1"],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0
+    assert "--max-unfinished-input must be 0 (no limit) or more, not -1" in proc.stderr
