@@ -142,7 +142,7 @@ def connections_view(api: Management, args: argparse.Namespace) -> str:
             if s is None:
                 rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), "", "", "", "", "", ""))
                 continue
-            held_by = ", ".join(f"{h['queue']} ({duration(h['heldSeconds'])})" for h in s["heldBy"])
+            held_by = ", ".join(f"{h.get('queue') or h['holder']} ({duration(h['heldSeconds'])})" for h in s["heldBy"])
             rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), s["name"] or str(s["channel"]),
                          s["senderCapacity"], s["incompleteCommands"], s["heldTransfers"], s["unackedDeliveries"],
                          held_by))
