@@ -211,6 +211,17 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
                 capture_output=True, text=True, timeout=60))
             assert stat.returncode == 0, stat.stderr
             assert re.search(r" 50 +50 +0 +memory alarm \(\d", stat.stdout), stat.stdout
+            # qflow-stat -g: the alarm's columns next to the store's.
+            general = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "qflow.cli.qflow_stat", "-g", "-b", d.address],
+                capture_output=True, text=True, timeout=60))
+            assert general.returncode == 0, general.stderr
+            head, _, row = general.stdout.splitlines()[1:4]
+            columns = dict(zip(reversed(head.split()), reversed(row.split()), strict=False))  # "qflowd V" is two
+            assert (columns["memHigh"], columns["memLow"]) == (str(high), str(low))
+            assert (columns["memoryAlarm"], columns["alarms"]) == ("Y", "1")
+            assert int(columns["memoryUsed"]) > high
+            assert head.split().index("overfulls") + 1 == head.split().index("memoryUsed")
             # A consumer is not blocked: it drains the queue, the alarm clears, the producer goes on.
             conn = await qflow.connect("127.0.0.1", d.port)
             ssn = await conn.session()
