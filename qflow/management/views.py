@@ -137,7 +137,7 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
         out.append({
             "name": conn.name, "user": conn.user, "peer": conn.peer, "connectedAt": iso(now - age),
             "connectedSeconds": round(age, 3), "outputBytes": conn.output_bytes,
-            "inputBytes": conn.input_bytes,
+            "inputBytes": conn.input_bytes, "readingPaused": conn.reading_paused,
             "sessions": [session_view(broker, s, now) for _, s in sorted(conn.sessions.items())],
         })
     return out

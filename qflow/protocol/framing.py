@@ -309,11 +309,14 @@ class FrameEncoder:
     bytearray: a bytearray grown by a few hundred KiB a batch is copied over
     and over as it grows; the join copies each byte once.
 
-    The broker's deliveries count what they add in ``queued``; the glue
-    counts in ``sending`` what it took and has not yet written. Deliveries
-    stop while the two together reach ``limit`` (see
+    The broker's deliveries, and :meth:`write` (every other frame: results,
+    completions, flow notices, connection control), count what they add in
+    ``queued``; the glue counts in ``sending`` what it took and has not yet
+    written. Deliveries stop while the two together reach ``limit`` (see
     ``SessionOutput.room``): that is how a connection that stops reading
-    stops receiving, its messages waiting in their queues.
+    stops receiving, its messages waiting in their queues. Past ``limit``
+    the server also stops taking the connection's commands
+    (``ConnectionPump.output_full``), so replies cannot pile up either.
     """
 
     __slots__ = ("parts", "_pack", "queued", "sending", "limit")
@@ -322,12 +325,14 @@ class FrameEncoder:
         self.parts: list[bytes] = []
         # A small first buffer (msgpack's default is 256 KiB): it grows to the largest frame packed.
         self._pack = msgpack.Packer(use_bin_type=True, buf_size=INITIAL_BUFFER).pack
-        self.queued = 0  # bytes of deliveries in parts
+        self.queued = 0  # bytes of frames in parts
         self.sending = 0  # bytes taken and not yet written (the glue keeps it)
         self.limit = limit  # most bytes of deliveries queued or being sent (unbounded unless the glue says)
 
     def write(self, frame: Any) -> None:
-        self.parts.append(self._pack(frame))
+        data = self._pack(frame)
+        self.parts.append(data)
+        self.queued += len(data)  # control frames count in the output bound too
 
     def write_header(self) -> None:
         self.parts.append(PROTOCOL_HEADER)

@@ -69,6 +69,7 @@ class Connection:
         self.encoder.limit = OUTPUT_LIMIT_FRAMES * max_frame_size
         self.sessions: dict[int, BrokerSession] = self.pump.sessions
         self._wake = trio.Event()
+        self._written = trio.Event()  # set by the writer after each write: the output may have room again
         self._closing = False  # the connection is ending: the writer sends what is queued and returns
         self._torn = False  # a write was cut off mid-frame: nothing more can be sent
         self._nursery: trio.Nursery | None = None  # the reader's and writer's, open while run() runs
@@ -216,6 +217,7 @@ class Connection:
                     try:
                         await send_all(data)
                         encoder.sending = 0
+                        self._written.set()
                         if broker.stalled and not self._closing:
                             broker.output_drained()  # ours, or another's: dispatching a full one is a no-op
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -227,6 +229,18 @@ class Connection:
                         raise
                 if self._closing:
                     return
+
+    @property
+    def reading_paused(self) -> bool:
+        """The connection's output is full: the broker reads nothing more from it until its peer reads."""
+        return self.pump.output_full
+
+    async def _output_room(self) -> None:
+        encoder = self.encoder
+        while encoder.queued + encoder.sending >= encoder.limit:
+            self._written = trio.Event()
+            self.wake()
+            await self._written.wait()
 
     async def _send_heartbeats(self) -> None:
         protocol = self.protocol
@@ -272,8 +286,12 @@ class Connection:
             if budget is not None:
                 for conn, reason in budget.update(self, decoder.pending):
                     conn.evict(reason)
-            if self.pump.unfinished is not None:
-                while self.pump.unfinished is not None:  # a long command: others are served between its steps
-                    await trio.lowlevel.checkpoint()
-                    self.pump.step()
+            if self.pump.unfinished is not None or self.pump.output_full:
+                while self.pump.unfinished is not None or self.pump.output_full:
+                    if self.pump.unfinished is not None:  # a long command: others are served between its steps
+                        await trio.lowlevel.checkpoint()
+                        self.pump.step()
+                    else:  # its replies fill the output: its commands wait until it reads
+                        await self._output_room()
+                        self.pump.resume()
                 protocol.kept_waiting(now())  # its heartbeats wait unread meanwhile

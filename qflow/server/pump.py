@@ -93,6 +93,9 @@ class ConnectionPump:
         # A long command of this connection under way (qflow.broker.commands.Unfinished): until
         # it is done, the frames after it wait in the decoder, so nothing overtakes it.
         self.unfinished: Unfinished | Detaching | None = None
+        # The output reached its limit while commands were being taken: the frames after wait in
+        # the decoder (and the glue reads no more) until the peer has read some (resume()).
+        self.output_full = False
 
     @property
     def opened(self) -> bool:
@@ -110,6 +113,12 @@ class ConnectionPump:
         if self.unfinished.step(self.broker):
             self.unfinished = None
             self._handle_frames()
+        self.broker.flush()
+
+    def resume(self) -> None:
+        """The output has room again: take the frames that waited for it."""
+        self.output_full = False
+        self._handle_frames()
         self.broker.flush()
 
     def close_sessions(self) -> None:
@@ -133,6 +142,7 @@ class ConnectionPump:
         run = broker.transfer_run if broker.runs is not None and self.opened else None
         frames = decoder.frames()
         fixarray, transfer = TRANSFER_FIXARRAY, P.TRANSFER  # a transfer's first two bytes, as usually encoded
+        encoder = self.encoder
         skip_runs = 0
         while True:
             if run is not None:
@@ -187,9 +197,15 @@ class ConnectionPump:
                 if broker.unfinished is not None:
                     self.unfinished, broker.unfinished = broker.unfinished, None
                     break
+                if encoder.queued + encoder.sending >= encoder.limit:  # replies wait for the peer to read
+                    self.output_full = True
+                    break
             else:
                 self._control(frame)
                 if self.unfinished is not None:  # a detach with many deliveries to put back
+                    break
+                if encoder.queued + encoder.sending >= encoder.limit:
+                    self.output_full = True
                     break
                 last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
                 run = broker.transfer_run if broker.runs is not None and self.opened else None
