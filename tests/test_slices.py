@@ -443,6 +443,47 @@ def test_detach_with_many_unaccepted_deliveries_puts_them_back_in_slices(sliced)
     assert all(d.redelivered for d in after.deliveries)
 
 
+def test_a_connections_close_puts_back_its_sessions_deliveries_in_slices(sliced, monkeypatch):
+    """A connection closing with two sessions of 1000 unaccepted deliveries
+    each (the issue's "two sessions each detaching with 10k unaccepted
+    deliveries", on a connection loss): its first step closes both sessions
+    (their subscriptions end) and puts back one slice of each; the rest goes
+    back 100 at a time, one step each, another connection served between two.
+    Every message is back, in order, marked redelivered."""
+    harness, a, ssn_a, _b, ssn_b = two_clients()
+    ssn_a2 = MemorySession(a)
+    ssn_a2.channel = a.protocol.attach("a2", ssn_a2)
+    ssn_a.declare_queue("q")
+    ssn_a.subscribe("q", "d1", credit=1000, accept=P.ACCEPT_EXPLICIT)
+    ssn_a2.subscribe("q", "d2", credit=1000, accept=P.ACCEPT_EXPLICIT)
+    fill(harness, ssn_b, "q", 2000)
+    assert len(ssn_a.deliveries) == len(ssn_a2.deliveries) == 1000
+    sizes: list[int] = []
+    real = queue_module.Queue.put_back_many
+
+    def put_back_many(self, returned):
+        sizes.append(len(returned))
+        return real(self, returned)
+
+    monkeypatch.setattr(queue_module.Queue, "put_back_many", put_back_many)
+    q = harness.broker.queues["q"]
+    steps = a.pump.close_steps()
+    next(steps)
+    assert sizes == [SLICE, SLICE] and len(q.entries) == 2 * SLICE
+    assert not q.consumers  # both sessions closed at the first step: nothing is delivered to them any more
+    probe = ssn_b.command(P.QUEUE_QUERY, "q")
+    assert ssn_b.client._to_broker() and ssn_b.client._from_broker()
+    assert ssn_b.results[probe]["msgDepth"] == 2000 and len(q.entries) == 2 * SLICE  # answered in between
+    done = len(sizes)
+    for _ in steps:
+        assert len(sizes) - done <= 1, "more than one slice in a step"
+        done = len(sizes)
+    assert sizes == [SLICE] * 20
+    ssn_b.subscribe("q", "d")
+    assert [d.sequence for d in ssn_b.deliveries] == list(range(1, 2001))
+    assert all(d.redelivered for d in ssn_b.deliveries)
+
+
 # -- execution.sync -------------------------------------------------------------------------------------
 def test_syncs_past_the_limit_are_refused_and_the_rest_complete_on_release(monkeypatch):
     """Issue 17: "400k execution.sync queued behind one held transfer, then

@@ -163,7 +163,8 @@ class Connection:
                 self.budget.forget(self)
             with trio.CancelScope(shield=True):
                 try:
-                    self.pump.close_sessions()
+                    for _ in self.pump.close_steps():  # many deliveries to put back: others are served between
+                        await trio.lowlevel.checkpoint()
                 except Exception:
                     log.exception("connection %s: error while closing its sessions", self.peer)
                 if self._torn:

@@ -15,7 +15,7 @@ qflow.protocol.framing.FramingError, with the close frame recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from qflow import protocol as P
@@ -124,15 +124,35 @@ class ConnectionPump:
     def close_sessions(self) -> None:
         """The connection is ending: an unfinished command is finished, every
         session is closed (deliveries released, held transfers dropped), and
-        the broker's batch ended."""
+        the broker's batch ended. All at once: see :meth:`close_steps`."""
+        for _ in self.close_steps():
+            pass
+
+    def close_steps(self) -> Iterator[None]:
+        """:meth:`close_sessions` in bounded steps (the glue yields to other
+        connections between two): the unfinished command's steps, then every
+        session closed at once (no more deliveries to it) and their unaccepted
+        deliveries put back SLICE at a time (Broker.close_session_steps)."""
+        broker = self.broker
         if self.unfinished is not None:
-            self.unfinished.finish(self.broker)
+            while not self.unfinished.step(broker):
+                broker.flush()
+                yield
             self.unfinished = None
+        closing = []
         for ssn in list(self.sessions.values()):
             if ssn is not None:
-                self.broker.close_session(ssn)
+                steps = broker.close_session_steps(ssn)
+                if next(steps, steps) is not steps:  # its first step: closed, its subscriptions ended
+                    closing.append(steps)
         self.sessions.clear()
-        self.broker.flush()
+        broker.flush()
+        for steps in closing:
+            yield
+            for _ in steps:
+                broker.flush()
+                yield
+            broker.flush()
 
     def _handle_frames(self) -> None:
         broker = self.broker
