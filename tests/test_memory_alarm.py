@@ -27,6 +27,7 @@ from qflow import protocol as P
 from qflow.broker.memory_alarm import MemoryAlarm
 from qflow.management.views import broker_view
 from qflow.testing import Daemon, Harness, start
+from tests.conftest import table_columns
 
 MiB = 1 << 20
 
@@ -217,7 +218,7 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
                 capture_output=True, text=True, timeout=60))
             assert general.returncode == 0, general.stderr
             head, _, row = general.stdout.splitlines()[1:4]
-            columns = dict(zip(reversed(head.split()), reversed(row.split()), strict=False))  # "qflowd V" is two
+            columns = table_columns(head, row)
             assert (columns["memHigh"], columns["memLow"]) == (str(high), str(low))
             assert (columns["memoryAlarm"], columns["alarms"]) == ("Y", "1")
             assert int(columns["memoryUsed"]) > high

@@ -31,6 +31,7 @@ from qflow.store.journal import Journal
 from qflow.store.message_store import MessageStore
 from qflow.store.quota import QuotaError, QuotaLimits, StoreQuota
 from qflow.testing import Harness
+from tests.conftest import table_columns
 from tests.test_store_config import api, qflowd
 
 DURABLE = {"durable": True}
@@ -284,7 +285,7 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
                     capture_output=True, text=True, timeout=TIMEOUT))
                 assert stat.returncode == 0, stat.stderr
                 head, _, row = stat.stdout.splitlines()[1:4]
-                columns = dict(zip(reversed(head.split()), reversed(row.split()), strict=False))  # "qflowd V" is two
+                columns = table_columns(head, row)
                 assert (columns["storeOverfull"], columns["overfulls"]) == ("Y", "1")
                 assert int(columns["storeSize"]) > 20000
                 assert "store quota 20000/8000 bytes" in stat.stdout
