@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import msgpack
+import pytest
 
 from qflow import protocol as P
 from qflow.protocol.framing import KEEP_PENDING, PROTOCOL_HEADER, FrameDecoder
@@ -64,23 +65,29 @@ def test_a_half_sent_frame_is_held_once():
     assert got["grown"] <= 1.2 * got["pending"], got
 
 
-def test_a_large_frame_over_many_reads_decodes_whole():
-    """Past KEEP_PENDING the decoder no longer keeps the frame's first reads:
-    the frame still decodes whole, and frame_tail says None (the broker
-    encodes the message again) instead of returning wrong bytes."""
+@pytest.mark.parametrize("props", [None, {"big": "p" * (2 * KEEP_PENDING)}], ids=["body-last", "props-first"])
+def test_a_large_frame_over_many_reads_decodes_whole(props):
+    """Past KEEP_PENDING the decoder holds the frame's bytes itself until its
+    shortest completion has come, then decodes it whole, stored as it came
+    (frame_tail). A frame longer than its shortest completion (a large
+    property before the body) is decoded whole too, its bytes then held by
+    the Unpacker alone (frame_tail None: the broker encodes it again)."""
     body = os.urandom(3 * KEEP_PENDING)
     small = msgpack.packb([P.TRANSFER, 0, "", "q", None, b"x"])
-    data = PROTOCOL_HEADER + msgpack.packb([P.TRANSFER, 0, "", "q", None, body]) + small
+    big = msgpack.packb([P.TRANSFER, 0, "", "q", props, body])
+    data = PROTOCOL_HEADER + big + small
     d = FrameDecoder()
-    frames, tails = [], []
+    frames, tails, held = [], [], []
     for i in range(0, len(data), 10_000):
         d.feed(data[i:i + 10_000])
         for frame in d.frames():
             frames.append(frame)
             tails.append(d.frame_tail(b"\x96\x1e\x00"))
-    assert [f[5] for f in frames] == [body, b"x"]
-    assert tails == [None, small[3:]]
+        held.append(sum(map(len, d._chunks)))
+    assert [(f[4], f[5]) for f in frames] == [(props, body), (None, b"x")]
+    assert tails == [big[3:] if props is None else None, small[3:]]
     assert d.pending == 0
+    assert max(held) <= len(big) + 10_000  # never more than the frame and a read in its own chunks
 
 
 # -- qflowd: --max-unfinished-input ----------------------------------------------------------------

@@ -22,11 +22,16 @@ DEFAULT_MAX_FRAME_SIZE = 1024 * 1024
 MIN_MAX_FRAME_SIZE = 4096
 READ_SIZE = 256 * 1024
 INITIAL_BUFFER = 16 * 1024  # a decoder's first buffer; it grows with the reads
-# Bytes of an unfinished frame the decoder keeps in its own chunks besides the
-# Unpacker's buffer. Past it the chunks go, and the Unpacker's buffer is the
-# one copy of the pending bytes: a half-sent large frame costs its bytes once.
-# Below it they are kept (cheap) so that a frame spanning reads is still
-# stored as it came, and an incomplete frame's claims can be probed exactly.
+# Bytes of an unfinished frame past which the decoder holds them once. Below
+# it they are in both its own chunks and the Unpacker's buffer (cheap, and
+# the common case of a frame cut by a read). Past it, the decoder takes them
+# back from the Unpacker (a fresh one) and keeps them in its chunks alone, as
+# they were read, until enough have come to complete the frame (the shortest
+# completion of what has come: FrameDecoder._completion); then the Unpacker
+# gets them in one piece. The Unpacker's buffer would cost up to twice the
+# bytes (it doubles as it grows). A frame that is still incomplete then
+# (its shortest completion was shorter than the frame) stays in the Unpacker,
+# and the chunks go: still one copy.
 KEEP_PENDING = 64 * 1024
 
 
@@ -51,7 +56,7 @@ class FrameDecoder:
     (a bin/str header claiming gigabytes) is refused as soon as its header is in.
     """
 
-    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header",
+    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header", "_base", "_defer_until", "_deferred_at",
                  "_chunks", "_chunks_start", "_fed", "_frame_start", "frame_begin", "frame_end", "_probed")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
@@ -59,6 +64,9 @@ class FrameDecoder:
         self._expect_header = expect_header
         self._header = b""
         self._unpacker = self._new_unpacker(max_frame_size)
+        self._base = 0  # where the current unpacker's stream starts in the whole stream
+        self._defer_until = 0  # while not 0: bytes are held, not fed, until _fed reaches it
+        self._deferred_at = -1  # where (in the whole stream) the frame last held so starts
         self._reset_offsets()
 
     def _reset_offsets(self) -> None:
@@ -101,6 +109,7 @@ class FrameDecoder:
         self.max_frame_size = max_frame_size
         rest = self._pending()
         self._unpacker = self._new_unpacker(max_frame_size)
+        self._base += self._frame_start
         self._reset_offsets()
         if rest:
             self.feed(rest)
@@ -128,12 +137,20 @@ class FrameDecoder:
             self._chunks_start += len(chunks.pop(0))
         chunks.append(data)
         self._fed += len(data)
+        if self._defer_until:  # a large frame's bytes, held until it can be complete
+            if self._fed < self._defer_until:
+                return
+            self._defer_until = 0
+            data = b"".join(chunks)  # the frame in one piece: it lies in the last chunk (see last_chunk)
+            self._chunks = [data]
         try:
             self._unpacker.feed(data)
         except msgpack.BufferFull:
             raise FrameTooLarge(f"frame larger than the maximum frame size {self.max_frame_size}") from None
 
     def frames(self) -> Iterator[list[Any]]:
+        if self._defer_until:  # holding a large frame's bytes: it is not complete yet
+            return
         while True:
             unpacker = self._unpacker  # set_max_frame_size may replace it between frames
             limit = self.max_frame_size
@@ -154,9 +171,7 @@ class FrameDecoder:
                 else:
                     self._check_incomplete()
                     if self._fed - self._frame_start > KEEP_PENDING:
-                        # The Unpacker holds these bytes too: drop our copy (see KEEP_PENDING).
-                        self._chunks = []
-                        self._chunks_start = self._fed
+                        self._hold_once()
                     return
             except FramingError:
                 raise
@@ -172,6 +187,50 @@ class FrameDecoder:
         """Bytes fed and not yet taken as whole frames: the input this
         decoder holds (an unfinished frame, or frames waiting behind a long command)."""
         return self._fed - self._frame_start
+
+    def _hold_once(self) -> None:
+        """The unfinished frame's bytes are past KEEP_PENDING: keep one copy (see there)."""
+        if self._base + self._frame_start != self._deferred_at:
+            rest = self._pending()
+            need = self._completion(rest)
+            if need is not None:  # held here alone until need bytes have come
+                self._base += self._frame_start
+                self._deferred_at = self._base
+                self._unpacker = self._new_unpacker(self.max_frame_size)
+                self._reset_offsets()
+                self._chunks = [rest]
+                self._fed = len(rest)
+                self._defer_until = need
+                return
+        # Held once already (or its completion is unknown): the Unpacker keeps the bytes.
+        self._chunks = []
+        self._chunks_start = self._fed
+
+    def _completion(self, data: bytes) -> int | None:
+        """The length of the shortest frame that starts with ``data`` (see
+        _cannot_fit: zeros complete any prefix soonest); FrameTooLarge if it
+        exceeds the limit; None if it cannot be told."""
+        probe = self._new_unpacker(self.max_frame_size)
+        probe.feed(data)
+        room = self.max_frame_size - len(data)
+        while True:
+            try:
+                probe.skip()
+                return probe.tell()
+            except msgpack.OutOfData:
+                if room <= 0:
+                    raise FrameTooLarge(f"incomplete frame declares more than the maximum frame size "
+                                        f"{self.max_frame_size}") from None
+                n = min(room, len(_ZEROS))
+                probe.feed(_ZEROS[:n])
+                room -= n
+            except ValueError as exc:
+                if "exceeds max" in str(exc):
+                    raise FrameTooLarge(f"incomplete frame exceeds the maximum frame size {self.max_frame_size}: "
+                                        f"{exc}") from None
+                return None
+            except Exception:  # malformed: frames() reports it once the bytes are in
+                return None
 
     def position(self) -> int:
         """The stream offset where the next frame starts (see last_chunk)."""
