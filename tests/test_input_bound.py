@@ -17,6 +17,7 @@ import pytest
 
 from qflow import protocol as P
 from qflow.protocol.framing import KEEP_PENDING, PROTOCOL_HEADER, FrameDecoder
+from qflow.server.input_budget import InputBudget
 from tests.conftest import start_qflowd
 
 KIB = 1024
@@ -39,6 +40,7 @@ before = rss()
 held = 0
 for _ in range(n):
     d = FrameDecoder(expect_header=True)
+    d.hold_exact = True  # as qflowd has it while many bytes are held in unfinished frames
     frame = msgpack.packb([P.TRANSFER, 0, "", "q", None, os.urandom(size)])
     data = PROTOCOL_HEADER + frame[: len(frame) // 2]
     del frame
@@ -54,9 +56,10 @@ print(json.dumps({"pending": held, "grown": rss() - before}))
 
 def test_a_half_sent_frame_is_held_once():
     """The issue's finding, as a unit: 20 decoders each fed the first half of
-    a 500 KB transfer frame, a 64 KiB read at a time, grow the resident set by
-    about the bytes pending, not twice them (the decoder kept its own chunks
-    besides the msgpack Unpacker's buffer: 2.0x before the fix)."""
+    a 500 KB transfer frame, a 64 KiB read at a time (holding it exactly, as
+    qflowd has them while much is held), grow the resident set by about the
+    bytes pending, not twice them (the decoder kept its own chunks besides the
+    msgpack Unpacker's buffer: 2.16x before the fix)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", _HALF_FRAMES, "20", "500000"], env=env, check=True,
                          capture_output=True, text=True, timeout=120).stdout
@@ -65,18 +68,21 @@ def test_a_half_sent_frame_is_held_once():
     assert got["grown"] <= 1.2 * got["pending"], got
 
 
+@pytest.mark.parametrize("hold_exact", [False, True], ids=["usual", "hold-exact"])
 @pytest.mark.parametrize("props", [None, {"big": "p" * (2 * KEEP_PENDING)}], ids=["body-last", "props-first"])
-def test_a_large_frame_over_many_reads_decodes_whole(props):
-    """Past KEEP_PENDING the decoder holds the frame's bytes itself until its
-    shortest completion has come, then decodes it whole, stored as it came
-    (frame_tail). A frame longer than its shortest completion (a large
-    property before the body) is decoded whole too, its bytes then held by
-    the Unpacker alone (frame_tail None: the broker encodes it again)."""
+def test_a_large_frame_over_many_reads_decodes_whole(props, hold_exact):
+    """Past KEEP_PENDING the decoder keeps one copy of an unfinished frame's
+    bytes. Usually the Unpacker's: the frame decodes whole, and frame_tail
+    says None (the broker encodes it again). With hold_exact, its own until
+    the frame's shortest completion has come: decoded whole, stored as it
+    came (frame_tail); a frame longer than that (a large property before
+    the body) is decoded whole too, its bytes then in the Unpacker alone."""
     body = os.urandom(3 * KEEP_PENDING)
     small = msgpack.packb([P.TRANSFER, 0, "", "q", None, b"x"])
     big = msgpack.packb([P.TRANSFER, 0, "", "q", props, body])
     data = PROTOCOL_HEADER + big + small
     d = FrameDecoder()
+    d.hold_exact = hold_exact
     frames, tails, held = [], [], []
     for i in range(0, len(data), 10_000):
         d.feed(data[i:i + 10_000])
@@ -85,7 +91,7 @@ def test_a_large_frame_over_many_reads_decodes_whole(props):
             tails.append(d.frame_tail(b"\x96\x1e\x00"))
         held.append(sum(map(len, d._chunks)))
     assert [(f[4], f[5]) for f in frames] == [(props, body), (None, b"x")]
-    assert tails == [big[3:] if props is None else None, small[3:]]
+    assert tails == [big[3:] if props is None and hold_exact else None, small[3:]]
     assert d.pending == 0
     assert max(held) <= len(big) + 10_000  # never more than the frame and a read in its own chunks
 
@@ -166,3 +172,20 @@ def test_qflowd_refuses_a_negative_max_unfinished_input():
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode != 0
     assert "--max-unfinished-input must be 0 (no limit) or more, not -1" in proc.stderr
+
+
+def test_the_budget_closes_the_largest_holders_first_and_says_when_it_is_crowded():
+    """InputBudget alone: the total follows each connection's updates; past
+    the limit the largest holders are named for closing, largest first,
+    until the total is under it; past compact_above it is crowded (qflowd
+    then holds unfinished frames exactly: FrameDecoder.hold_exact)."""
+    budget = InputBudget(limit=1000, compact_above=800)
+    assert budget.update("a", 400) == [] and budget.update("b", 300) == [] and not budget.crowded
+    assert budget.update("c", 200) == [] and budget.crowded and budget.total == 900
+    victims = budget.update("d", 350)  # 1250: a (400) goes, 850 is under the limit
+    assert [v for v, _ in victims] == ["a"] and "400 bytes" in victims[0][1]
+    assert "--max-unfinished-input 1000" in victims[0][1]
+    assert budget.total == 850 and budget.evicted == 1
+    assert budget.update("b", 0) == [] and budget.total == 550
+    budget.forget("d")
+    assert budget.total == 200 and not budget.crowded and budget.held == {"c": 200}

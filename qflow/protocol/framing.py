@@ -24,14 +24,17 @@ READ_SIZE = 256 * 1024
 INITIAL_BUFFER = 16 * 1024  # a decoder's first buffer; it grows with the reads
 # Bytes of an unfinished frame past which the decoder holds them once. Below
 # it they are in both its own chunks and the Unpacker's buffer (cheap, and
-# the common case of a frame cut by a read). Past it, the decoder takes them
-# back from the Unpacker (a fresh one) and keeps them in its chunks alone, as
-# they were read, until enough have come to complete the frame (the shortest
-# completion of what has come: FrameDecoder._completion); then the Unpacker
-# gets them in one piece. The Unpacker's buffer would cost up to twice the
-# bytes (it doubles as it grows). A frame that is still incomplete then
-# (its shortest completion was shorter than the frame) stays in the Unpacker,
-# and the chunks go: still one copy.
+# the common case of a frame cut by a read). Past it, one of the two goes:
+# * usually the chunks: the Unpacker's buffer is the one copy, though it may
+#   cost up to twice the bytes (it doubles as it grows);
+# * with ``FrameDecoder.hold_exact`` (qflowd sets it while many bytes are
+#   held in unfinished frames: qflow.server.input_budget), the Unpacker: a
+#   fresh one is fed nothing until the frame's shortest completion has come
+#   (FrameDecoder._completion), the chunks being the exact copy meanwhile;
+#   then it gets them in one piece. That costs a copy and a parse more per
+#   large frame, so it is not the usual way. Once per frame: one still
+#   incomplete then (it was longer than its shortest completion) stays in
+#   the Unpacker.
 KEEP_PENDING = 64 * 1024
 
 
@@ -56,7 +59,7 @@ class FrameDecoder:
     (a bin/str header claiming gigabytes) is refused as soon as its header is in.
     """
 
-    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header", "_base", "_defer_until", "_deferred_at",
+    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header", "_base", "_defer_until", "_deferred_at", "hold_exact",
                  "_chunks", "_chunks_start", "_fed", "_frame_start", "frame_begin", "frame_end", "_probed")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
@@ -66,7 +69,8 @@ class FrameDecoder:
         self._unpacker = self._new_unpacker(max_frame_size)
         self._base = 0  # where the current unpacker's stream starts in the whole stream
         self._defer_until = 0  # while not 0: bytes are held, not fed, until _fed reaches it
-        self._deferred_at = -1  # where (in the whole stream) the frame last held so starts
+        self._deferred_at = -1  # where (in the whole stream) the frame last held so starts: once a frame
+        self.hold_exact = False  # see KEEP_PENDING
         self._reset_offsets()
 
     def _reset_offsets(self) -> None:
@@ -189,11 +193,12 @@ class FrameDecoder:
         return self._fed - self._frame_start
 
     def _hold_once(self) -> None:
-        """The unfinished frame's bytes are past KEEP_PENDING: keep one copy (see there)."""
-        if self._base + self._frame_start != self._deferred_at:
+        """The unfinished frame is past KEEP_PENDING: keep one copy (see there)."""
+        if self.hold_exact and self._frame_start >= self._chunks_start \
+                and self._base + self._frame_start != self._deferred_at:
             rest = self._pending()
             need = self._completion(rest)
-            if need is not None:  # held here alone until need bytes have come
+            if need is not None:  # held in the chunks alone until need bytes have come
                 self._base += self._frame_start
                 self._deferred_at = self._base
                 self._unpacker = self._new_unpacker(self.max_frame_size)
@@ -202,7 +207,6 @@ class FrameDecoder:
                 self._fed = len(rest)
                 self._defer_until = need
                 return
-        # Held once already (or its completion is unknown): the Unpacker keeps the bytes.
         self._chunks = []
         self._chunks_start = self._fed
 
@@ -213,6 +217,22 @@ class FrameDecoder:
         probe = self._new_unpacker(self.max_frame_size)
         probe.feed(data)
         room = self.max_frame_size - len(data)
+        try:
+            probe.skip()
+        except msgpack.OutOfData:
+            # The usual case: it waits inside a long bin/str whose header ends where it stopped.
+            # Its zeros go in at once (the parse below checks what they complete, whatever it was).
+            stop = probe.tell()
+            for width, types in _LENGTH_HEADERS:
+                if stop - width - 1 >= 0 and data[stop - width - 1] in types:
+                    length = int.from_bytes(data[stop - width:stop], "big")
+                    n = min(room, stop + length - len(data))
+                    if n > 0:
+                        probe.feed(_zeros(n))
+                        room -= n
+                    break
+        except Exception:  # noqa: S110 - complete or malformed: the loop below tells
+            pass
         while True:
             try:
                 probe.skip()
@@ -355,6 +375,12 @@ _LONG_RAW_HEADERS = {0xC5: 2, 0xDA: 2, 0xC8: 2, 0xC6: 4, 0xDB: 4, 0xC9: 4}
 _HEADERS_ANY = re.compile(b"[\xc5\xc6\xc8\xc9\xda\xdb]")
 _HEADERS_32 = re.compile(b"[\xc6\xc9\xdb]")
 _ZEROS = memoryview(bytes(64 * 1024))
+# (width of the length, the header bytes with that width) of bin, str and ext types
+_LENGTH_HEADERS = ((4, b"\xc6\xdb\xc9"), (2, b"\xc5\xda\xc8"), (1, b"\xc4\xd9\xc7"))
+
+
+def _zeros(n: int) -> bytes | memoryview:
+    return _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
 
 
 class FrameEncoder:

@@ -283,6 +283,8 @@ class Connection:
                 data = await receive(READ_SIZE)
             if scope.cancelled_caught:
                 raise protocol.peer_timed_out()
+            if budget is not None:
+                decoder.hold_exact = budget.crowded
             self.pump.receive(data, now())  # b"" (the client is gone) ends it
             if budget is not None:
                 for conn, reason in budget.update(self, decoder.pending):

@@ -18,12 +18,17 @@ from collections.abc import Hashable
 
 from qflow.server.admission import Throttle
 
+# Past this total, unfinished frames are held in one exact copy (FrameDecoder.hold_exact): below it
+# a frame's bytes may cost up to twice their size in the Unpacker's buffer, which is cheaper to run.
+COMPACT_ABOVE = 16 * 1024 * 1024
+
 
 class InputBudget:
     """Bytes held in unfinished frames, per connection and in total."""
 
-    def __init__(self, limit: int, throttle: Throttle | None = None) -> None:
+    def __init__(self, limit: int, throttle: Throttle | None = None, compact_above: int = COMPACT_ABOVE) -> None:
         self.limit = limit  # 0: unbounded
+        self.compact_above = compact_above
         self.total = 0
         self.held: dict[Hashable, int] = {}
         self.evicted = 0  # connections closed over the limit, since start
@@ -57,6 +62,12 @@ class InputBudget:
                           "connection(s), the largest holding %d bytes", self.limit, len(victims),
                           largest)
         return victims
+
+    @property
+    def crowded(self) -> bool:
+        """Many bytes are held in unfinished frames: each should be held in one
+        exact copy (FrameDecoder.hold_exact), at the cost of a copy and a parse."""
+        return self.total > self.compact_above
 
     def forget(self, conn: Hashable) -> None:
         """``conn`` has ended."""
