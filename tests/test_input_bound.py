@@ -36,16 +36,19 @@ def rss():
 
 n, size, read = int(sys.argv[1]), int(sys.argv[2]), 64 * 1024
 decoders = []
-before = rss()
 held = 0
-for _ in range(n):
+for i in range(n + 1):
+    if i == 1:  # the first one paid for what is made once (imports, the probe's zeros): not counted
+        decoders.clear()
+        held = 0
+        before = rss()
     d = FrameDecoder(expect_header=True)
     d.hold_exact = True  # as qflowd has it while many bytes are held in unfinished frames
     frame = msgpack.packb([P.TRANSFER, 0, "", "q", None, os.urandom(size)])
     data = PROTOCOL_HEADER + frame[: len(frame) // 2]
     del frame
-    for i in range(0, len(data), read):  # as qflowd reads it: a read at a time, each decoded
-        d.feed(data[i:i + read])
+    for j in range(0, len(data), read):  # as qflowd reads it: a read at a time, each decoded
+        d.feed(data[j:j + read])
         assert list(d.frames()) == []
     held += d.pending
     del data
@@ -65,7 +68,7 @@ def test_a_half_sent_frame_is_held_once():
                          capture_output=True, text=True, timeout=120).stdout
     got = json.loads(out)
     assert got["pending"] == 20 * (len(msgpack.packb([P.TRANSFER, 0, "", "q", None, bytes(500000)])) // 2)
-    assert got["grown"] <= 1.2 * got["pending"], got
+    assert got["grown"] <= 1.2 * got["pending"], got  # 2.16x before the fix
 
 
 @pytest.mark.parametrize("hold_exact", [False, True], ids=["usual", "hold-exact"])
