@@ -205,7 +205,15 @@ def metrics(d) -> dict[str, float]:
 
 
 def journal_bytes(data_dir: Path) -> int:
-    return sum(f.stat().st_size for f in (data_dir / "journal").glob("*.jrn"))
+    """The journal's files' size now; a segment the store removes while they
+    are listed counts 0 (the caller polls until the sizes agree)."""
+    total = 0
+    for f in (data_dir / "journal").glob("*.jrn"):
+        try:
+            total += f.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 async def wait_for(what: str, condition, timeout: float = TIMEOUT, state=None):
