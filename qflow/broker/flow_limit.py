@@ -73,7 +73,7 @@ log = logging.getLogger("qflow.broker")
 # One op of the log, packed: a precompiled Struct into a bytearray costs half
 # of array('q').extend with a tuple.
 pack_op = Struct(f"={OP_WORDS}q").pack
-_op_index_of, _token_of, _slot_of = itemgetter(0), itemgetter(1), itemgetter(3)  # of a Hold
+_op_index_of, _token_of, _session_of, _slot_of = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)  # of a Hold
 
 
 class FlowLimit:
@@ -326,7 +326,7 @@ class FlowControl:
         holder.label = label
         held = holder.held_sessions
         for ssn in holder.token_sessions.values():
-            if not ssn.closed:
+            if ssn is not None and not ssn.closed:
                 held[ssn] = held.get(ssn, 0) + 1
         for ssn in held:
             self._tell_holder(ssn, label, True)
@@ -405,10 +405,14 @@ class FlowControl:
         if holds and holds[0][3] not in queues and self._one_holder(holds):
             # All of one outside holder (the store's usual input): handed over with no Python call per hold.
             holder = self.holders[holds[0][3]]
-            holder.arrived += zip(map(_token_of, holds), map(seqs.__getitem__, map(_op_index_of, holds)),
-                                  strict=True)
-            holder.wake()
-            return
+            if holder.label is None:  # named (overfull, alarm): the loop below tells its sessions
+                holder.arrived += zip(map(_token_of, holds), map(seqs.__getitem__, map(_op_index_of, holds)),
+                                      strict=True)
+                if holder.tracks:  # each hold's session, in bulk too (see Holder.tracks)
+                    holder.token_sessions.update(zip(map(_token_of, holds),
+                                                     map(sessions.get, map(_session_of, holds)), strict=True))
+                holder.wake()
+                return
         for op_index, token, session_slot, slot in holds:
             q = queues.get(slot)
             if q is None:  # an outside holder's hold (a slot is a queue's or a holder's)
