@@ -31,6 +31,7 @@ from qflow.server.admission import (
     socket_of,
 )
 from qflow.server.connection import Connection
+from qflow.server.input_budget import InputBudget
 
 log = logging.getLogger("qflow.server")
 
@@ -49,6 +50,7 @@ class Server:
         self.limits = limits or ConnectionLimits()
         self.admission = Admission(self.limits)  # one count over every port (plain and TLS)
         self.throttle = Throttle()
+        self.input_budget = InputBudget(self.limits.max_unfinished_input, self.throttle)
         self.connections: set[Connection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
@@ -126,7 +128,7 @@ class Server:
 
         conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
                           negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
-                          admit=admit if self.limits.per_user else None)
+                          admit=admit if self.limits.per_user else None, budget=self.input_budget)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
