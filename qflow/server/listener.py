@@ -20,6 +20,7 @@ from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.protocol.connection import refusal
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.protocol.read_buffers import keep_read_buffers_in_heap
 from qflow.protocol.sasl import Users
 from qflow.server.admission import (
     MAX_LINGERING,
@@ -65,6 +66,7 @@ class Server:
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host``:``port`` (0: a free port, given to ``task_status``);
         with ``ssl_context``, every connection is TLS (qflowd's --ssl-port)."""
+        keep_read_buffers_in_heap()
         if ssl_context is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         else:
