@@ -111,6 +111,8 @@ class FlowLimit:
         if held is None:
             return -1
         token, ssn = held
+        if token >> 32 != self.generation:  # let go already, with all the queue held (FlowControl.released)
+            return -1
         n = self.held_sessions.get(ssn)
         if n is not None:  # None: the session was dropped since
             if n > 1:
@@ -470,10 +472,12 @@ class FlowControl:
 
     def released(self, q: Queue) -> None:
         """``q`` let all its holds go: its tokens are stale (the accounting moved
-        on to a new generation), and the sessions it held are told."""
+        on to a new generation), and the sessions it held are told. The stale
+        tokens are dropped as their messages leave (release_token), not here:
+        a release of 10,000 holds would otherwise free 10,000 of them before
+        the first completion is reported."""
         flow = q.flow
         flow.generation = (flow.generation + 1) & 0x7FFFFFFF  # as the accounting's release_all
-        flow.tokens.clear()
         for ssn in flow.held_sessions:
             self._tell(ssn, q)
         flow.held_sessions.clear()
