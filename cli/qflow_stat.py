@@ -1,6 +1,7 @@
 """qflow-stat: a qflow broker's statistics, as qpid-stat shows qpidd's.
 
-    qflow-stat [-b HOST:PORT] -g          broker summary (the default), unroutable messages, the store's quota state
+    qflow-stat [-b HOST:PORT] -g          broker summary (the default), unroutable messages, the store's quota state,
+                                          the memory alarm
     qflow-stat [-b HOST:PORT] -q [NAME]   queues: depth, bytes, flow state, times stopped, held transfers;
                                           with NAME, every statistic of that queue
     qflow-stat [-b HOST:PORT] -e          exchanges: messages in, routed out, dropped unroutable
@@ -142,7 +143,7 @@ def connections_view(api: Management, args: argparse.Namespace) -> str:
             if s is None:
                 rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), "", "", "", "", "", ""))
                 continue
-            held_by = ", ".join(f"{h['queue']} ({duration(h['heldSeconds'])})" for h in s["heldBy"])
+            held_by = ", ".join(f"{h.get('queue') or h['holder']} ({duration(h['heldSeconds'])})" for h in s["heldBy"])
             rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), s["name"] or str(s["channel"]),
                          s["senderCapacity"], s["incompleteCommands"], s["heldTransfers"], s["unackedDeliveries"],
                          held_by))
@@ -157,9 +158,11 @@ def general_view(api: Management, args: argparse.Namespace) -> str:
     rows = [(f"qflowd {info['version']}", duration(info["uptimeSeconds"]), t["connections"], t["sessions"],
              t["exchanges"], t["queues"], t["msgDepth"], t["byteDepth"], t["flowStoppedQueues"], t["heldSessions"],
              t["heldTransfers"], t["discardsNoRoute"], info["storeSize"], info["storeOverfull"],
-             info["storeOverfullCount"])]
+             info["storeOverfullCount"], info["memoryUsed"], info["memoryHighWatermark"], info["memoryLowWatermark"],
+             info["memoryAlarm"], info["memoryAlarmCount"])]
     head = ("broker", "uptime", "conn", "sess", "exch", "queue", "msg", "bytes", "flowStopped", "heldSess", "held",
-            "unroutable", "storeSize", "storeOverfull", "overfulls")
+            "unroutable", "storeSize", "storeOverfull", "overfulls", "memoryUsed", "memHigh", "memLow", "memoryAlarm",
+            "alarms")
     quota = f", store quota {o['storeOverfullSize']}/{o['storeUnderfullSize']} bytes" \
         if o.get("storeOverfullSize") else ""
     return (f"Broker Summary ({api.address}, accounting {o['accounting']}, flow defaults "

@@ -189,6 +189,11 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     p.add_argument("--idle-timeout", type=float, default=0, metavar="SECS",
                    help="seconds a connection that negotiated no heartbeat may send nothing before it is "
                         "closed; 0 = never (default 0)")
+    p.add_argument("--max-unfinished-input", type=int, default=ConnectionLimits.max_unfinished_input,
+                   metavar="BYTES",
+                   help="most bytes held in unfinished frames over all connections (each holds at most one "
+                        "frame); past it the connections holding the most are closed with a reason; 0 = no "
+                        f"limit (default {ConnectionLimits.max_unfinished_input})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe messages logged (default info); `qflow-config log-level L` changes it "
                         "while qflowd runs")
@@ -288,13 +293,15 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     if not MIN_SEGMENT_SIZE <= args.store_segment_size <= MAX_SEGMENT_SIZE:
         p.error(f"--store-segment-size must be {MIN_SEGMENT_SIZE}..{MAX_SEGMENT_SIZE} bytes, "
                 f"not {args.store_segment_size}")
-    for option in ("max_connections", "connection_limit_per_ip", "connection_limit_per_user", "max_negotiate_time"):
+    for option in ("max_connections", "connection_limit_per_ip", "connection_limit_per_user", "max_negotiate_time",
+                   "max_unfinished_input"):
         if getattr(args, option) < 0:
             p.error(f"--{option.replace('_', '-')} must be 0 (no limit) or more, not {getattr(args, option)}")
     if not 0 <= args.idle_timeout < 86400 * 365:  # NaN fails too: no timer takes it
         p.error(f"--idle-timeout must be 0 (never) or a number of seconds, not {args.idle_timeout:g}")
     args.limits = ConnectionLimits(args.max_connections, args.connection_limit_per_ip,
-                                   args.max_negotiate_time / 1000, args.idle_timeout, args.connection_limit_per_user)
+                                   args.max_negotiate_time / 1000, args.idle_timeout, args.connection_limit_per_user,
+                                   args.max_unfinished_input)
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     if args.ssl_cert_file is None and (args.ssl_key_file is not None or args.ssl_port is not None):

@@ -4,6 +4,7 @@ real ``qflowd`` subprocess for the tests that need one."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -97,6 +98,17 @@ async def wait_for(predicate, timeout: float = 30) -> None:
             if result:
                 return
             await trio.sleep(0.01)
+
+
+def table_columns(head: str, row: str) -> dict[str, str]:
+    """A qflow-stat table row by its header's names. Numbers and flags are
+    right-aligned under their names (a flag that is off is blank), so each
+    value is what lies between the end of the name before and the end of its own."""
+    out, before = {}, 0
+    for m in re.finditer(r"\S+", head):
+        out[m.group()] = row[before:m.end()].strip()
+        before = m.end()
+    return out
 
 
 def stats_but_incarnation(q) -> dict:

@@ -27,6 +27,7 @@ from qflow import protocol as P
 from qflow.broker.memory_alarm import MemoryAlarm
 from qflow.management.views import broker_view
 from qflow.testing import Daemon, Harness, start
+from tests.conftest import table_columns
 
 MiB = 1 << 20
 
@@ -82,10 +83,11 @@ def test_the_alarm_and_a_stopped_queue_both_hold_a_transfer(harness: Harness):
     alarm = MemoryAlarm(harness.broker, high=10, low=5)
     alarm.update(11)
     ids = send(harness, p, "q", 3)
-    assert p.incomplete(ids) == ids and p.held_by == {"q"}
+    assert p.incomplete(ids) == ids and p.held_by == {"q", "memory alarm"}  # both named
     alarm.update(0)
     harness.run()
     assert p.incomplete(ids) == ids[2:]  # the first two: only the alarm held them; the third: its queue too
+    assert p.held_by == {"q"}
     c.subscribe("q", "d", accept=P.ACCEPT_NONE)
     harness.run()
     assert not p.incomplete(ids)
@@ -159,10 +161,14 @@ async def _wait_until(predicate, what: str, timeout: float = 60) -> None:
     assert predicate(), what
 
 
-async def _fill_until_held(port: int, queue: str, capacity: int, body: bytes, sent: list[int], stop: trio.Event) -> None:
-    """Send until the sender has its whole capacity unfinished and ``stop`` is set."""
+async def _fill_until_held(port: int, queue: str, capacity: int, body: bytes, sent: list[int], stop: trio.Event,
+                           sessions: list | None = None) -> None:
+    """Send until the sender has its whole capacity unfinished and ``stop`` is set
+    (its session is appended to ``sessions``)."""
     async with await qflow.connect("127.0.0.1", port) as conn:
         ssn = await conn.session()
+        if sessions is not None:
+            sessions.append(ssn)
         sender = ssn.sender(queue, capacity=capacity)
         while not stop.is_set():
             await sender.send(body)
@@ -183,10 +189,10 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
             ssn = await conn.session()
             await ssn.declare_queue("big", arguments={"qpid.max_size": 0, "qpid.flow_stop_count": 0,
                                                       "qpid.flow_stop_size": 0})
-        sent, stop = [0], trio.Event()
+        sent, stop, producer = [0], trio.Event(), []
         body = b"m" * 1024
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_fill_until_held, d.port, "big", 50, body, sent, stop)
+            nursery.start_soon(_fill_until_held, d.port, "big", 50, body, sent, stop, producer)
             await _wait_until(lambda: _api(d, "/api/broker")["memoryAlarm"], "the alarm is set", 120)
             # Held: the depth stops growing once the sender's 50 sends are unfinished.
             depth = -1
@@ -195,9 +201,28 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
             view = _api(d, "/api/broker")
             assert view["memoryAlarm"] and view["memoryAlarmCount"] == 1 and view["memoryUsed"] > high
             assert "qflow_memory_alarm 1" in _metrics(d)
-            assert [s["incompleteCommands"] for c in _api(d, "/api/connections") for s in c["sessions"]
-                    if s["incompleteCommands"]] == [50]
+            held = [s for c in _api(d, "/api/connections") for s in c["sessions"] if s["incompleteCommands"]]
+            assert [s["incompleteCommands"] for s in held] == [50]
             assert depth == sent[0]  # every send reached the queue; the last 50 are not complete
+            # Named as its holder: in the API, in qflow-stat -c and in the client's held_by.
+            assert [h["holder"] for h in held[0]["heldBy"]] == ["memory alarm"] and held[0]["flowStopped"]
+            assert list(producer[0].held_by) == ["memory alarm"]
+            stat = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "qflow.cli.qflow_stat", "-c", "-b", d.address],
+                capture_output=True, text=True, timeout=60))
+            assert stat.returncode == 0, stat.stderr
+            assert re.search(r" 50 +50 +0 +memory alarm \(\d", stat.stdout), stat.stdout
+            # qflow-stat -g: the alarm's columns next to the store's.
+            general = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "qflow.cli.qflow_stat", "-g", "-b", d.address],
+                capture_output=True, text=True, timeout=60))
+            assert general.returncode == 0, general.stderr
+            head, _, row = general.stdout.splitlines()[1:4]
+            columns = table_columns(head, row)
+            assert (columns["memHigh"], columns["memLow"]) == (str(high), str(low))
+            assert (columns["memoryAlarm"], columns["alarms"]) == ("Y", "1")
+            assert int(columns["memoryUsed"]) > high
+            assert head.split().index("overfulls") + 1 == head.split().index("memoryUsed")
             # A consumer is not blocked: it drains the queue, the alarm clears, the producer goes on.
             conn = await qflow.connect("127.0.0.1", d.port)
             ssn = await conn.session()
@@ -209,6 +234,7 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
         while got < sent[0]:
             got += len(await receiver.fetch_many(timeout=60))
         assert got == sent[0] and receiver.available() == 0  # every message sent arrived, once
+        assert producer[0].held_by == {}  # told it is held no more
         await conn.close()
         view = _api(d, "/api/broker")
         # Cleared below low; the producer went on afterwards, so the memory may have grown since (not past high).

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 import urllib.request
 
 import msgpack
@@ -313,3 +315,67 @@ async def test_a_message_too_large_for_the_frame_size_is_refused_at_its_producer
         got = [(await receiver.fetch(timeout=TIMEOUT)).body for _ in range(4)]
         assert got == [b"a", b"b", b"d", b"z" * fits]
         assert (await ssn.query_queue("q"))["msgTotalEnqueues"] == 4
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) * KIB
+
+
+def test_qflowd_stops_taking_commands_whose_replies_its_client_never_reads():
+    """Issue 17, control frames: a raw client that never reads sends
+    queue.query after queue.query (about 40 MB of replies if all were
+    answered). Replies count in the output bound as deliveries do: once the
+    connection's output is full the broker takes no more of its commands
+    (readingPaused in /api/connections) and reads nothing more from it, so
+    its output stays under the limit and the broker's memory does not grow
+    by the replies. When the client reads, every reply arrives, in order."""
+    frame_size = 64 * KIB
+    d = start_qflowd("--no-data-dir", "--max-frame-size", str(frame_size))
+    raw = socket.socket()
+    sender: list[BaseException] = []
+    try:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * KIB)
+        raw.settimeout(TIMEOUT)
+        raw.connect(("127.0.0.1", d.port))
+        raw.sendall(PROTOCOL_HEADER + pack([P.OPEN, {"max_frame_size": frame_size}], [P.ATTACH, 0, "raw"],
+                                           [P.QUEUE_DECLARE, 0, "q", False, False, False, {}, False], [P.SYNC, 0]))
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        while not any(f[0] == P.COMPLETED and 1 in _ids(f[2]) for f in _feed(unpacker, raw.recv(65536))):
+            pass
+        before = _rss(d.proc.pid)
+        n = 200_000
+        query = msgpack.packb([P.QUEUE_QUERY, 0, "q"])
+
+        def flood() -> None:
+            try:
+                raw.sendall(query * n)
+            except BaseException as exc:  # noqa: BLE001 - reported below if it was not the test's close
+                sender.append(exc)
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        limit = OUTPUT_LIMIT_FRAMES * frame_size
+
+        def paused() -> dict | None:
+            conns = [c for c in _api(d.mgmt_port, "/api/connections") if c["sessions"]]
+            return conns[0] if conns and conns[0]["readingPaused"] else None
+
+        deadline = time.monotonic() + TIMEOUT
+        while (conn := paused()) is None:
+            assert time.monotonic() < deadline, "the broker never stopped reading the flood"
+            time.sleep(0.05)
+        reply = len(msgpack.packb([P.RESULT, 0, n, _api(d.mgmt_port, "/api/queues/q")]))
+        assert limit <= conn["outputBytes"] <= limit + 4 * reply, conn
+        assert _rss(d.proc.pid) - before < 20 * 1024 * KIB  # all the replies: 40 MB and more
+        # The client reads: every query is answered, in order, and the session carries on.
+        ids = []
+        raw.settimeout(TIMEOUT)
+        while len(ids) < n:
+            ids += [f[2] for f in _feed(unpacker, raw.recv(1024 * KIB)) if f[0] == P.RESULT]
+        assert ids == list(range(2, n + 2))
+        thread.join(TIMEOUT)
+        assert not sender, sender
+    finally:
+        raw.close()
+        d.stop()

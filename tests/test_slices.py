@@ -196,6 +196,113 @@ def test_a_connection_closed_during_a_purge_finishes_it(sliced):
     assert ssn_b.query("q")["msgDepth"] == 0
 
 
+# -- queue.remove-sequences and queue.available (the Spark source's commands) ------------------------------
+def count_seq_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = queue_module.seq_of
+
+    def seq_of(entry):
+        calls[0] += 1
+        return real(entry)
+
+    monkeypatch.setattr(queue_module, "seq_of", seq_of)
+    return calls
+
+
+def test_remove_sequences_works_in_slices_and_another_client_is_answered_between(sliced, monkeypatch):
+    """queue.remove-sequences of every other message of 1000 looks at 100
+    messages per step (ten steps, each dequeuing the 50 named among them),
+    and a query from another connection is answered in the middle of it.
+    Exactly the messages named go; the others stay, in order."""
+    harness, _a, ssn_a, _b, ssn_b = two_clients()
+    ssn_a.declare_queue("q")
+    fill(harness, ssn_a, "q", 1000)
+    incarnation = ssn_a.query("q")["incarnation"]
+    odd = RangeSet([(i, i) for i in range(1, 1001, 2)])
+    batches = record_batches(monkeypatch)
+    reads = count_seq_reads(monkeypatch)
+    remove = ssn_a.command(P.QUEUE_REMOVE_SEQUENCES, "q", incarnation, odd.to_wire())
+    probe = ssn_b.command(P.QUEUE_QUERY, "q")
+    harness.run()
+    assert ssn_a.results[remove] == {"messages": 500}
+    assert batches == [SLICE // 2] * 10  # each step: the odd half of the hundred it looked at
+    assert reads[0] < 20 * 1000, f"{reads[0]} sequence numbers read for 1000 messages"
+    assert 500 < ssn_b.results[probe]["msgDepth"] < 1000, "the probe waited for the whole removal"
+    monkeypatch.undo()
+    assert list(RangeSet.from_wire(ssn_a.call(P.QUEUE_AVAILABLE, "q", 0, -1)["sequences"])) == list(range(2, 1001, 2))
+
+
+def test_available_works_in_slices_and_another_client_is_answered_between(sliced, monkeypatch):
+    """queue.available of all 1000 messages: ten steps of 100, a query from
+    another connection answered between two, and the answer whole."""
+    harness, a, ssn_a, _b, ssn_b = two_clients()
+    ssn_a.declare_queue("q")
+    fill(harness, ssn_a, "q", 1000)
+    steps = []
+    real = queue_module.Queue.available_slice
+
+    def available_slice(self, out, after, limit, most):
+        got = real(self, out, after, limit, most)
+        steps.append(got[0])
+        return got
+
+    monkeypatch.setattr(queue_module.Queue, "available_slice", available_slice)
+    available = ssn_a.command(P.QUEUE_AVAILABLE, "q", 0, -1)
+    a._to_broker()
+    assert a.pump.unfinished is not None and steps == [SLICE]  # the first step only
+    probe = ssn_b.command(P.QUEUE_QUERY, "q")
+    assert ssn_b.client._to_broker() and ssn_b.client._from_broker()
+    assert ssn_b.results[probe]["msgDepth"] == 1000 and available not in ssn_a.results  # answered in between
+    harness.run()
+    assert steps == [SLICE] * 10 + [0]
+    answer = ssn_a.results[available]
+    assert list(RangeSet.from_wire(answer["sequences"]).ranges()) == [(1, 1000)]
+    # With a limit: exactly that many, in slices too.
+    fill(harness, ssn_a, "q", 1000)
+    steps.clear()
+    answer = ssn_a.call(P.QUEUE_AVAILABLE, "q", 500, 250)
+    assert list(RangeSet.from_wire(answer["sequences"]).ranges()) == [(501, 750)] and steps == [100, 100, 50]
+
+
+def test_remove_sequences_with_more_ranges_than_the_limit_is_refused(monkeypatch):
+    """Bound: at most MAX_RANGES ranges in one queue.remove-sequences, as in an
+    accept. Past it, RESOURCE_LIMIT_EXCEEDED naming the limit; nothing is
+    removed, and the session carries on."""
+    monkeypatch.setattr(commands_module, "MAX_RANGES", 50)
+    harness = Harness()
+    ssn = harness.connect().session()
+    ssn.declare_queue("q")
+    fill(harness, ssn, "q", 200)
+    incarnation = ssn.query("q")["incarnation"]
+    wire = RangeSet([(i, i) for i in range(1, 103, 2)]).to_wire()  # 51 ranges
+    cid = ssn.command(P.QUEUE_REMOVE_SEQUENCES, "q", incarnation, wire)
+    harness.run()
+    code, text = ssn.failures[cid]
+    assert code == P.RESOURCE_LIMIT_EXCEEDED and "51 ranges" in text and "limit of 50" in text, text
+    assert ssn.query("q")["msgDepth"] == 200
+    assert ssn.call(P.QUEUE_REMOVE_SEQUENCES, "q", incarnation, wire[:100]) == {"messages": 50}  # the limit: fine
+
+
+def test_available_answer_of_more_ranges_than_the_limit_is_refused(monkeypatch):
+    """Bound: an answer of queue.available holds at most MAX_RANGES ranges
+    (every other message acquired by a consumer makes one range each). Past
+    it, RESOURCE_LIMIT_EXCEEDED naming the limit and how to ask for fewer;
+    with a limit that fits, the same question is answered."""
+    monkeypatch.setattr(commands_module, "MAX_RANGES", 50)
+    harness = Harness()
+    ssn = harness.connect().session()
+    ssn.declare_queue("q")
+    fill(harness, ssn, "q", 200)
+    incarnation = ssn.query("q")["incarnation"]
+    ssn.call(P.QUEUE_REMOVE_SEQUENCES, "q", incarnation, RangeSet([(i, i) for i in range(2, 201, 2)]).to_wire()[:100])
+    cid = ssn.command(P.QUEUE_AVAILABLE, "q", 0, -1)
+    harness.run()
+    code, text = ssn.failures[cid]
+    assert code == P.RESOURCE_LIMIT_EXCEEDED and "more than 50 ranges" in text and "limit" in text, text
+    answer = ssn.call(P.QUEUE_AVAILABLE, "q", 0, 50)
+    assert RangeSet.from_wire(answer["sequences"]).range_count == 50
+
+
 # -- accept and release ranges -----------------------------------------------------------------------------
 def explicit_consumer(harness: Harness, ssn: MemorySession, n: int, credit: int = -1) -> None:
     ssn.declare_queue("q")
@@ -334,6 +441,47 @@ def test_detach_with_many_unaccepted_deliveries_puts_them_back_in_slices(sliced)
     after.subscribe("q", "d2")
     assert [d.sequence for d in after.deliveries] == list(range(1, 1001))
     assert all(d.redelivered for d in after.deliveries)
+
+
+def test_a_connections_close_puts_back_its_sessions_deliveries_in_slices(sliced, monkeypatch):
+    """A connection closing with two sessions of 1000 unaccepted deliveries
+    each (the issue's "two sessions each detaching with 10k unaccepted
+    deliveries", on a connection loss): its first step closes both sessions
+    (their subscriptions end) and puts back one slice of each; the rest goes
+    back 100 at a time, one step each, another connection served between two.
+    Every message is back, in order, marked redelivered."""
+    harness, a, ssn_a, _b, ssn_b = two_clients()
+    ssn_a2 = MemorySession(a)
+    ssn_a2.channel = a.protocol.attach("a2", ssn_a2)
+    ssn_a.declare_queue("q")
+    ssn_a.subscribe("q", "d1", credit=1000, accept=P.ACCEPT_EXPLICIT)
+    ssn_a2.subscribe("q", "d2", credit=1000, accept=P.ACCEPT_EXPLICIT)
+    fill(harness, ssn_b, "q", 2000)
+    assert len(ssn_a.deliveries) == len(ssn_a2.deliveries) == 1000
+    sizes: list[int] = []
+    real = queue_module.Queue.put_back_many
+
+    def put_back_many(self, returned):
+        sizes.append(len(returned))
+        return real(self, returned)
+
+    monkeypatch.setattr(queue_module.Queue, "put_back_many", put_back_many)
+    q = harness.broker.queues["q"]
+    steps = a.pump.close_steps()
+    next(steps)
+    assert sizes == [SLICE, SLICE] and len(q.entries) == 2 * SLICE
+    assert not q.consumers  # both sessions closed at the first step: nothing is delivered to them any more
+    probe = ssn_b.command(P.QUEUE_QUERY, "q")
+    assert ssn_b.client._to_broker() and ssn_b.client._from_broker()
+    assert ssn_b.results[probe]["msgDepth"] == 2000 and len(q.entries) == 2 * SLICE  # answered in between
+    done = len(sizes)
+    for _ in steps:
+        assert len(sizes) - done <= 1, "more than one slice in a step"
+        done = len(sizes)
+    assert sizes == [SLICE] * 20
+    ssn_b.subscribe("q", "d")
+    assert [d.sequence for d in ssn_b.deliveries] == list(range(1, 2001))
+    assert all(d.redelivered for d in ssn_b.deliveries)
 
 
 # -- execution.sync -------------------------------------------------------------------------------------

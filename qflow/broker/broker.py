@@ -51,7 +51,7 @@ SLICE = 10_000
 Steps = Generator[None, None, int]  # a long command's steps; its value is the command's count
 
 
-def finish(steps: Steps) -> int:
+def finish(steps: Steps) -> Any:
     """Run every step of ``steps`` at once (the management API, tests); its value."""
     while True:
         try:
@@ -722,11 +722,35 @@ class Broker:
         """Which messages a browsing reader may plan to read: the sequence
         numbers of the first ``limit`` (-1: all) available messages above
         ``after``, with the queue's incarnation and sequence bounds."""
+        return finish(self.available_steps(name, after, limit, by))
+
+    def available_steps(self, name: str, after: int, limit: int, by: BrokerSession | None = None,
+                        max_ranges: int | None = None) -> Steps:
+        """:meth:`available`, SLICE messages per step, each step going on from
+        the last sequence number the one before saw. Past ``max_ranges``
+        ranges in the answer, refused with RESOURCE_LIMIT_EXCEEDED."""
         q = self.queue("queue.available", name)
         self.check_owner(q, "queue.available", by)
         if after < 0 or limit < -1:
             raise CommandError(P.INVALID_ARGUMENT, "queue.available: after must be >= 0 and limit >= -1")
-        return {"incarnation": q.incarnation, "sequences": q.available(after, limit).to_wire(),
+        return self._available(q, after, limit, max_ranges)
+
+    def _available(self, q: Queue, after: int, limit: int, max_ranges: int | None) -> Steps:
+        out = RangeSet()
+        left = limit
+        while not q.deleted:
+            n, after, more = q.available_slice(out, after, left, SLICE)
+            if left > 0:
+                left -= n
+            if max_ranges is not None and out.range_count > max_ranges:
+                raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
+                                   f"queue.available: the available messages make more than {max_ranges} ranges, "
+                                   f"the limit of one answer; ask for fewer with limit (up to sequence {after} "
+                                   f"they made {out.range_count})")
+            if not more:
+                break
+            yield
+        return {"incarnation": q.incarnation, "sequences": out.to_wire(),
                 "firstSequence": seq_of(q.entries[0]) if q.entries else q.next_seq,
                 "lastSequence": q.next_seq - 1}
 
@@ -735,6 +759,11 @@ class Broker:
         """Dequeue exactly the available messages of ``name`` numbered in
         ``sequences`` (a browsing reader's commit of what it read), provided the
         queue is still the ``incarnation`` that numbered them."""
+        return finish(self.remove_sequences_steps(name, incarnation, sequences, by))
+
+    def remove_sequences_steps(self, name: str, incarnation: str, sequences: RangeSet,
+                               by: BrokerSession | None = None) -> Steps:
+        """:meth:`remove_sequences`, looking at SLICE messages per step."""
         q = self.queue("queue.remove-sequences", name)
         self.check_owner(q, "queue.remove-sequences", by)
         if q.incarnation != incarnation:
@@ -742,7 +771,23 @@ class Broker:
                                f"queue.remove-sequences: queue {name!r} is incarnation {q.incarnation}, not "
                                f"{incarnation} (it was deleted and declared again, or the broker restarted): "
                                f"nothing removed")
-        return q.remove_sequences(sequences)
+        return self._remove_sequences(q, sequences)
+
+    def _remove_sequences(self, q: Queue, sequences: RangeSet) -> Steps:
+        n = 0
+        if not sequences:
+            return n
+        ranges = list(sequences.ranges())
+        first, last = ranges[0][0], ranges[-1][1]
+        while not q.deleted:
+            self._apply()  # dequeue_many reads which transfers the queue holds
+            removed, first, more = q.remove_sequences_slice(sequences, first, last, SLICE)
+            n += removed
+            if not more:
+                break
+            yield
+        self._apply()
+        return n
 
     def purge_queue(self, name: str, by: BrokerSession | None = None) -> int:
         """Purge ``name`` at once (the management API); see :meth:`purge_steps`."""

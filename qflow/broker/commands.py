@@ -37,7 +37,8 @@ NO_COMPLETE = object()  # a handler's result: the command completes later (execu
 # refused with RESOURCE_LIMIT_EXCEEDED, and the session, its connection and the
 # broker carry on. A client never needs more: its receivers accept consecutive
 # deliveries as one range, and its senders wait for each sync.
-MAX_RANGES = 10_000  # ranges in one message.accept or message.release
+# ranges in one message.accept, message.release or queue.remove-sequences, and in a queue.available answer
+MAX_RANGES = 10_000
 MAX_WAITING_SYNCS = 1_000  # execution.sync commands of one session waiting for earlier commands
 
 
@@ -118,18 +119,17 @@ def _queue_remove_through(broker: Broker, ssn: BrokerSession, cid: int, queue: s
     return broker.remove_through_steps(queue, sequence, by=ssn)
 
 
-def _queue_available(broker: Broker, ssn: BrokerSession, cid: int, queue: str, after: int, limit: int) -> dict:
+def _queue_available(broker: Broker, ssn: BrokerSession, cid: int, queue: str, after: int, limit: int) -> Steps:
     # What a browsing reader plans to read: as browsing, it needs consume.
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})
-    return broker.available(queue, after, limit, by=ssn)
+    return broker.available_steps(queue, after, limit, by=ssn, max_ranges=MAX_RANGES)
 
 
 def _queue_remove_sequences(broker: Broker, ssn: BrokerSession, cid: int, queue: str, incarnation: str,
-                            sequences: list) -> dict:
+                            sequences: list) -> Steps:
     # A browsing reader's commit removes what it read: it consumes.
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})
-    return {"messages": broker.remove_sequences(queue, incarnation, _ids("queue.remove-sequences", sequences, None),
-                                                by=ssn)}
+    return broker.remove_sequences_steps(queue, incarnation, _ids("queue.remove-sequences", sequences), by=ssn)
 
 
 def _queue_list(broker: Broker, ssn: BrokerSession, cid: int) -> dict:
@@ -240,9 +240,10 @@ def _flow(broker: Broker, ssn: BrokerSession, cid: int, destination: str, messag
     c.queue.ready[c.queue] = None
 
 
-def _ids(command: str, wire: list, limit: int | None = MAX_RANGES) -> RangeSet:
-    """``wire`` as a RangeSet; past ``limit`` ranges (accept, release), refused."""
-    if limit is not None and type(wire) is list and len(wire) > 2 * limit:
+def _ids(command: str, wire: list) -> RangeSet:
+    """``wire`` as a RangeSet; past MAX_RANGES ranges, refused."""
+    limit = MAX_RANGES
+    if type(wire) is list and len(wire) > 2 * limit:
         raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
                            f"{command}: {len(wire) // 2} ranges in one command, more than the limit of "
                            f"{limit}; send them in several commands")
@@ -341,8 +342,9 @@ def execute(broker: Broker, ssn: BrokerSession, command_id: int, code: int, args
 
 
 class Unfinished:
-    """A long command (queue.purge, queue.delete, queue.remove-through, an
-    accept or release of more than SLICE deliveries) under way: its steps each do a bounded slice of the work (qflow.broker.broker.SLICE);
+    """A long command (queue.purge, queue.delete, queue.remove-through,
+    queue.remove-sequences, queue.available, an accept or release of more
+    than SLICE deliveries) under way: its steps each do a bounded slice of the work (qflow.broker.broker.SLICE);
     the command completes, with its count as result, after the last one."""
 
     __slots__ = ("session", "command_id", "steps", "reports_count")
@@ -358,7 +360,10 @@ class Unfinished:
         try:
             next(self.steps)
         except StopIteration as stop:
-            result = {"messages": stop.value} if self.reports_count else None
+            if type(stop.value) is dict:  # queue.available: its answer
+                result = stop.value
+            else:
+                result = {"messages": stop.value} if self.reports_count else None
             broker.done(self.session, self.command_id, result)
             return True
         except CommandError as exc:

@@ -73,7 +73,7 @@ log = logging.getLogger("qflow.broker")
 # One op of the log, packed: a precompiled Struct into a bytearray costs half
 # of array('q').extend with a tuple.
 pack_op = Struct(f"={OP_WORDS}q").pack
-_op_index_of, _token_of, _slot_of = itemgetter(0), itemgetter(1), itemgetter(3)  # of a Hold
+_op_index_of, _token_of, _session_of, _slot_of = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)  # of a Hold
 
 
 class FlowLimit:
@@ -111,6 +111,8 @@ class FlowLimit:
         if held is None:
             return -1
         token, ssn = held
+        if token >> 32 != self.generation:  # let go already, with all the queue held (FlowControl.released)
+            return -1
         n = self.held_sessions.get(ssn)
         if n is not None:  # None: the session was dropped since
             if n > 1:
@@ -169,7 +171,8 @@ class Holder:
     the transfer completes once its other holders (routing, stopped queues,
     other outside holders) have let go too. Created by :meth:`FlowControl.add_holder`."""
 
-    __slots__ = ("slot", "name", "control", "arrived", "wake", "dequeued", "removed")
+    __slots__ = ("slot", "name", "control", "arrived", "wake", "dequeued", "removed", "label", "held_sessions",
+                 "token_sessions", "tracks")
 
     def __init__(self, slot: int, name: str, control: FlowControl, wake: Callable[[], None] | None,
                  dequeued: Dequeued | None = None) -> None:
@@ -182,6 +185,14 @@ class Holder:
         # writes the removal); queues without holders pay nothing for it.
         self.dequeued = dequeued
         self.removed = False
+        # While not None, the sessions it holds are told so under this name (session.flow-notice,
+        # heldBy), as a stopped queue's are: see FlowControl.name_holds.
+        self.label: str | None = None
+        # Whether it keeps each hold's session (token_sessions) even while not named, so that
+        # naming it later names the sessions of the holds it has then. Off, a hold costs nothing more.
+        self.tracks = False
+        self.held_sessions: dict[Any, int] = {}  # session -> its transfers held, while named
+        self.token_sessions: dict[int, Any] = {}  # hold token -> its session, while tracked
 
     def __repr__(self) -> str:
         return f"<Holder {self.name!r} slot {self.slot}{' removed' if self.removed else ''}>"
@@ -204,6 +215,8 @@ class Holder:
             return
         control, slot = self.control, self.slot
         tokens = tokens if isinstance(tokens, list) else list(tokens)
+        if self.token_sessions:
+            control.let_go(self, tokens)
         try:
             column = array("q", tokens)
         except (TypeError, OverflowError):
@@ -288,6 +301,7 @@ class FlowControl:
         if holder.removed:
             raise ValueError(f"holder {holder.name!r} was removed already")
         completions = self.apply()
+        self.name_holds(holder, None)
         for q in self.queues.values():
             if holder in q.holders:
                 q.remove_holder(holder)
@@ -295,6 +309,53 @@ class FlowControl:
         holder.removed = True
         holder.arrived = []  # released below: nothing left for it to do
         return completions + self.acct.remove_holder(holder.slot)
+
+    def name_holds(self, holder: Holder, label: str | None) -> None:
+        """From now on the sessions ``holder`` holds are told so under
+        ``label`` (the memory alarm, the store's quota), those it holds already
+        included (if it tracks them); None: no longer, and those it holds now
+        are told it holds them no more."""
+        if label is None:
+            for ssn in holder.held_sessions:
+                self._tell_holder(ssn, holder.label, False)
+            holder.held_sessions.clear()
+            if not holder.tracks:
+                holder.token_sessions.clear()
+            holder.label = None
+            return
+        if holder.label is not None:
+            return
+        holder.label = label
+        held = holder.held_sessions
+        for ssn in holder.token_sessions.values():
+            if ssn is not None and not ssn.closed:
+                held[ssn] = held.get(ssn, 0) + 1
+        for ssn in held:
+            self._tell_holder(ssn, label, True)
+
+    def let_go(self, holder: Holder, tokens: Iterable[int]) -> None:
+        """A named holder releases ``tokens``: a session none of whose transfers it holds any more is told."""
+        held, by_token = holder.held_sessions, holder.token_sessions
+        for token in tokens:
+            ssn = by_token.pop(token, None)
+            n = held.get(ssn) if held and ssn is not None else None
+            if n is None:
+                continue
+            if n > 1:
+                held[ssn] = n - 1
+            else:
+                del held[ssn]
+                self._tell_holder(ssn, holder.label, False)
+
+    def _tell_holder(self, ssn: BrokerSession, label: str, held: bool) -> None:
+        if ssn.closed:
+            return
+        if held:
+            ssn.holder_since[label] = time.time()
+        else:
+            ssn.holder_since.pop(label, None)
+        ssn.out.flow_notice(label, held)
+        self.dirty[ssn] = None
 
     def hold(self, queues: Sequence[Queue]) -> None:
         """In an open transfer, after its enqueues on ``queues``: one OP_HOLD per
@@ -309,6 +370,8 @@ class FlowControl:
         for q in self.queues.values():
             q.flow.held_sessions.pop(ssn, None)
             q.flow.writers.pop(ssn, None)
+        for holder in self.holders.values():  # its tokens go when released (ignored then) or with the holder
+            holder.held_sessions.pop(ssn, None)
         self.acct.drop_session(ssn.slot)
         self.sessions.pop(ssn.slot, None)
         self.dirty.pop(ssn, None)
@@ -344,16 +407,29 @@ class FlowControl:
         if holds and holds[0][3] not in queues and self._one_holder(holds):
             # All of one outside holder (the store's usual input): handed over with no Python call per hold.
             holder = self.holders[holds[0][3]]
-            holder.arrived += zip(map(_token_of, holds), map(seqs.__getitem__, map(_op_index_of, holds)),
-                                  strict=True)
-            holder.wake()
-            return
+            if holder.label is None:  # named (overfull, alarm): the loop below tells its sessions
+                holder.arrived += zip(map(_token_of, holds), map(seqs.__getitem__, map(_op_index_of, holds)),
+                                      strict=True)
+                if holder.tracks:  # each hold's session, in bulk too (see Holder.tracks)
+                    holder.token_sessions.update(zip(map(_token_of, holds),
+                                                     map(sessions.get, map(_session_of, holds)), strict=True))
+                holder.wake()
+                return
         for op_index, token, session_slot, slot in holds:
             q = queues.get(slot)
             if q is None:  # an outside holder's hold (a slot is a queue's or a holder's)
                 holder = self.holders[slot]
                 holder.arrived.append((token, seqs[op_index]))
                 woken[holder] = None
+                if holder.tracks or holder.label is not None:
+                    ssn = sessions.get(session_slot)
+                    if ssn is not None:
+                        holder.token_sessions[token] = ssn
+                        if holder.label is not None:
+                            n = holder.held_sessions.get(ssn, 0)
+                            holder.held_sessions[ssn] = n + 1
+                            if not n:
+                                self._tell_holder(ssn, holder.label, True)
                 continue
             flow = q.flow
             if token >> 32 != flow.generation:
@@ -396,10 +472,12 @@ class FlowControl:
 
     def released(self, q: Queue) -> None:
         """``q`` let all its holds go: its tokens are stale (the accounting moved
-        on to a new generation), and the sessions it held are told."""
+        on to a new generation), and the sessions it held are told. The stale
+        tokens are dropped as their messages leave (release_token), not here:
+        a release of 10,000 holds would otherwise free 10,000 of them before
+        the first completion is reported."""
         flow = q.flow
         flow.generation = (flow.generation + 1) & 0x7FFFFFFF  # as the accounting's release_all
-        flow.tokens.clear()
         for ssn in flow.held_sessions:
             self._tell(ssn, q)
         flow.held_sessions.clear()

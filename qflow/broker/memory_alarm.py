@@ -67,6 +67,7 @@ class MemoryAlarm:
     def _set(self, used: int) -> None:
         broker = self.broker
         holder = self._holder = broker.add_holder("memory alarm")
+        broker.flow.name_holds(holder, "memory alarm")  # the sessions it holds are told so, by this name
         for q in broker.queues.values():
             q.add_holder(holder)
         broker.on_queue_declared.append(self._attach)

@@ -283,37 +283,62 @@ class Queue:
         """The sequence numbers of the first ``limit`` (-1: all) available
         messages numbered above ``after``. Acquired ones are not available."""
         out = RangeSet()
+        self.available_slice(out, after, limit, len(self.entries) + 1)
+        return out
+
+    def available_slice(self, out: RangeSet, after: int, limit: int, most: int) -> tuple[int, int, bool]:
+        """One bounded step of :meth:`available`: add to ``out`` the sequence
+        numbers of at most ``most`` (and ``limit``, unless -1) available
+        messages above ``after``. Returns (how many, the last one added or
+        ``after``, whether there may be more)."""
         if limit == 0:
-            return out
+            return 0, after, False
+        take = most if limit < 0 else min(most, limit)
         add = out.add
         n = 0
+        last = after
         for entry in islice(self.entries, self._index_after(after), None):
-            add(seq_of(entry))
+            last = seq_of(entry)
+            add(last)
             n += 1
-            if n == limit:
-                break
-        return out
+            if n == take:
+                return n, last, n < limit or limit < 0
+        return n, last, False
 
     def remove_sequences(self, sequences: RangeSet) -> int:
         """Dequeue exactly the available messages whose sequence numbers are in
         ``sequences``; any other stays where it is. Returns how many went."""
-        entries = self.entries
-        if not sequences or not entries:
+        if not sequences:
             return 0
-        ranges = list(sequences.ranges())  # sorted and disjoint
-        first, last = ranges[0][0], ranges[-1][1]
+        ranges = list(sequences.ranges())
+        removed, _, _ = self.remove_sequences_slice(sequences, ranges[0][0], ranges[-1][1], len(self.entries) + 1)
+        return removed
+
+    def remove_sequences_slice(self, sequences: RangeSet, first: int, last: int, most: int) -> tuple[int, int, bool]:
+        """One bounded step of :meth:`remove_sequences`: look at no more than
+        ``most`` available messages numbered ``first`` to ``last``, and dequeue
+        those in ``sequences``. Returns (how many went, the number to go on
+        from, whether messages up to ``last`` may be left to look at)."""
+        entries = self.entries
+        if not entries or first > last:
+            return 0, first, False
         i = self._index_after(first - 1)
         entries.rotate(-i)
         removed: list[Entry] = []
         kept: list[Entry] = []
-        while entries and seq_of(entries[0]) <= last:
+        seen = 0
+        nxt = first
+        while entries and seen < most and (nxt := seq_of(entries[0])) <= last:
             entry = entries.popleft()
-            (removed if seq_of(entry) in sequences else kept).append(entry)
+            (removed if nxt in sequences else kept).append(entry)
+            seen += 1
+            nxt += 1
+        more = seen == most and bool(entries) and seq_of(entries[0]) <= last
         entries.extendleft(reversed(kept))
         entries.rotate(i)
         if removed:
             self.dequeue_many(removed)
-        return len(removed)
+        return len(removed), nxt, more
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -31,7 +31,7 @@ class BrokerSession:
 
     __slots__ = ("channel", "name", "slot", "out", "commands",
                  "next_delivery", "unacked", "unacked_queues", "unacked_base", "unacked_count", "consumers",
-                 "capacity", "closed", "held_since", "last_queues", "user", "published", "peer")
+                 "capacity", "closed", "held_since", "holder_since", "last_queues", "user", "published", "peer")
 
     def __init__(self, channel: int, name: str, slot: int, out: SessionOutput | None = None,
                  user: str = "", peer: str = "") -> None:
@@ -55,6 +55,8 @@ class BrokerSession:
         self.closed = False
         self.last_queues: Any = None  # the destinations of its last transfer
         self.held_since: dict[str, float] = {}  # queue name -> wall time it began holding us (management view)
+        # A named outside holder ("memory alarm", "store overfull") -> wall time it began holding us
+        self.holder_since: dict[str, float] = {}
 
     def take_unacked(self, first: int, last: int) -> tuple[list[Queue], list[Entry]]:
         """Remove the deliveries awaiting accept with ids in [first, last];

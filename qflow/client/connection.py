@@ -48,6 +48,7 @@ from qflow.protocol.connection import (
 from qflow.protocol.entries import EntryError
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingError
 from qflow.protocol.parts import PartJoiner
+from qflow.protocol.read_buffers import keep_read_buffers_in_heap
 from qflow.protocol.tls import client_handshake_failure
 
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
@@ -153,6 +154,7 @@ async def _new_connection(host: str, port: int, name: str, heartbeat: float, max
                           username: str | None, password: str | None, mechanism: str | None,
                           ssl_context: ssl.SSLContext | None) -> Connection:
     """A Connection over a new stream to ``host:port``, not started yet."""
+    keep_read_buffers_in_heap()
     credentials = _credentials(username, password, mechanism)
     stream = await _open_stream(host, port, ssl_context)
     try:

@@ -116,6 +116,8 @@ def session_view(broker: Broker, ssn: BrokerSession, now: float) -> dict[str, An
         q = broker.queues.get(name)
         if q is not None and ssn in q.flow.held_sessions:
             held_by.append({"queue": name, "since": iso(since), "heldSeconds": round(now - since, 3)})
+    for name, since in ssn.holder_since.items():  # the memory alarm, the store's quota
+        held_by.append({"holder": name, "since": iso(since), "heldSeconds": round(now - since, 3)})
     held_by.sort(key=lambda h: h["heldSeconds"] or 0, reverse=True)
     return {
         "channel": ssn.channel, "name": ssn.name, "user": ssn.user, "senderCapacity": ssn.capacity,
@@ -135,6 +137,7 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
         out.append({
             "name": conn.name, "user": conn.user, "peer": conn.peer, "connectedAt": iso(now - age),
             "connectedSeconds": round(age, 3), "outputBytes": conn.output_bytes,
+            "inputBytes": conn.input_bytes, "readingPaused": conn.reading_paused,
             "sessions": [session_view(broker, s, now) for _, s in sorted(conn.sessions.items())],
         })
     return out

@@ -22,6 +22,20 @@ DEFAULT_MAX_FRAME_SIZE = 1024 * 1024
 MIN_MAX_FRAME_SIZE = 4096
 READ_SIZE = 256 * 1024
 INITIAL_BUFFER = 16 * 1024  # a decoder's first buffer; it grows with the reads
+# Bytes of an unfinished frame past which the decoder holds them once. Below
+# it they are in both its own chunks and the Unpacker's buffer (cheap, and
+# the common case of a frame cut by a read). Past it, one of the two goes:
+# * usually the chunks: the Unpacker's buffer is the one copy, though it may
+#   cost up to twice the bytes (it doubles as it grows);
+# * with ``FrameDecoder.hold_exact`` (qflowd sets it while many bytes are
+#   held in unfinished frames: qflow.server.input_budget), the Unpacker: a
+#   fresh one is fed nothing until the frame's shortest completion has come
+#   (FrameDecoder._completion), the chunks being the exact copy meanwhile;
+#   then it gets them in one piece. That costs a copy and a parse more per
+#   large frame, so it is not the usual way. Once per frame: one still
+#   incomplete then (it was longer than its shortest completion) stays in
+#   the Unpacker.
+KEEP_PENDING = 64 * 1024
 
 
 class FramingError(Exception):
@@ -45,7 +59,7 @@ class FrameDecoder:
     (a bin/str header claiming gigabytes) is refused as soon as its header is in.
     """
 
-    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header",
+    __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header", "_base", "_defer_until", "_deferred_at", "hold_exact",
                  "_chunks", "_chunks_start", "_fed", "_frame_start", "frame_begin", "frame_end", "_probed")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
@@ -53,6 +67,10 @@ class FrameDecoder:
         self._expect_header = expect_header
         self._header = b""
         self._unpacker = self._new_unpacker(max_frame_size)
+        self._base = 0  # where the current unpacker's stream starts in the whole stream
+        self._defer_until = 0  # while not 0: bytes are held, not fed, until _fed reaches it
+        self._deferred_at = -1  # where (in the whole stream) the frame last held so starts: once a frame
+        self.hold_exact = False  # see KEEP_PENDING
         self._reset_offsets()
 
     def _reset_offsets(self) -> None:
@@ -95,6 +113,7 @@ class FrameDecoder:
         self.max_frame_size = max_frame_size
         rest = self._pending()
         self._unpacker = self._new_unpacker(max_frame_size)
+        self._base += self._frame_start
         self._reset_offsets()
         if rest:
             self.feed(rest)
@@ -122,12 +141,20 @@ class FrameDecoder:
             self._chunks_start += len(chunks.pop(0))
         chunks.append(data)
         self._fed += len(data)
+        if self._defer_until:  # a large frame's bytes, held until it can be complete
+            if self._fed < self._defer_until:
+                return
+            self._defer_until = 0
+            data = b"".join(chunks)  # the frame in one piece: it lies in the last chunk (see last_chunk)
+            self._chunks = [data]
         try:
             self._unpacker.feed(data)
         except msgpack.BufferFull:
             raise FrameTooLarge(f"frame larger than the maximum frame size {self.max_frame_size}") from None
 
     def frames(self) -> Iterator[list[Any]]:
+        if self._defer_until:  # holding a large frame's bytes: it is not complete yet
+            return
         while True:
             unpacker = self._unpacker  # set_max_frame_size may replace it between frames
             limit = self.max_frame_size
@@ -147,6 +174,8 @@ class FrameDecoder:
                         break
                 else:
                     self._check_incomplete()
+                    if self._fed - self._frame_start > KEEP_PENDING:
+                        self._hold_once()
                     return
             except FramingError:
                 raise
@@ -156,6 +185,72 @@ class FrameDecoder:
                 raise FramingError(f"malformed frame: {exc}") from None
             except Exception as exc:  # FormatError, StackError, UnicodeDecodeError...
                 raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+    @property
+    def pending(self) -> int:
+        """Bytes fed and not yet taken as whole frames: the input this
+        decoder holds (an unfinished frame, or frames waiting behind a long command)."""
+        return self._fed - self._frame_start
+
+    def _hold_once(self) -> None:
+        """The unfinished frame is past KEEP_PENDING: keep one copy (see there)."""
+        if self.hold_exact and self._frame_start >= self._chunks_start \
+                and self._base + self._frame_start != self._deferred_at:
+            rest = self._pending()
+            need = self._completion(rest)
+            if need is not None:  # held in the chunks alone until need bytes have come
+                self._base += self._frame_start
+                self._deferred_at = self._base
+                self._unpacker = self._new_unpacker(self.max_frame_size)
+                self._reset_offsets()
+                self._chunks = [rest]
+                self._fed = len(rest)
+                self._defer_until = need
+                return
+        self._chunks = []
+        self._chunks_start = self._fed
+
+    def _completion(self, data: bytes) -> int | None:
+        """The length of the shortest frame that starts with ``data`` (see
+        _cannot_fit: zeros complete any prefix soonest); FrameTooLarge if it
+        exceeds the limit; None if it cannot be told."""
+        probe = self._new_unpacker(self.max_frame_size)
+        probe.feed(data)
+        room = self.max_frame_size - len(data)
+        try:
+            probe.skip()
+        except msgpack.OutOfData:
+            # The usual case: it waits inside a long bin/str whose header ends where it stopped.
+            # Its zeros go in at once (the parse below checks what they complete, whatever it was).
+            stop = probe.tell()
+            for width, types in _LENGTH_HEADERS:
+                if stop - width - 1 >= 0 and data[stop - width - 1] in types:
+                    length = int.from_bytes(data[stop - width:stop], "big")
+                    n = min(room, stop + length - len(data))
+                    if n > 0:
+                        probe.feed(_zeros(n))
+                        room -= n
+                    break
+        except Exception:  # noqa: S110 - complete or malformed: the loop below tells
+            pass
+        while True:
+            try:
+                probe.skip()
+                return probe.tell()
+            except msgpack.OutOfData:
+                if room <= 0:
+                    raise FrameTooLarge(f"incomplete frame declares more than the maximum frame size "
+                                        f"{self.max_frame_size}") from None
+                n = min(room, len(_ZEROS))
+                probe.feed(_ZEROS[:n])
+                room -= n
+            except ValueError as exc:
+                if "exceeds max" in str(exc):
+                    raise FrameTooLarge(f"incomplete frame exceeds the maximum frame size {self.max_frame_size}: "
+                                        f"{exc}") from None
+                return None
+            except Exception:  # malformed: frames() reports it once the bytes are in
+                return None
 
     def position(self) -> int:
         """The stream offset where the next frame starts (see last_chunk)."""
@@ -178,8 +273,12 @@ class FrameDecoder:
     def frame_tail(self, head: bytes) -> bytes | None:
         """The encoded bytes of the frame last yielded that follow ``head``, if
         the frame begins with exactly ``head`` (else None: the sender encoded
-        its start differently). Lets the broker keep a message as it came."""
+        its start differently, or the frame came over reads holding more than
+        ``KEEP_PENDING`` and only the Unpacker kept its bytes: the broker
+        encodes it again). Lets the broker keep a message as it came."""
         begin, end = self.frame_begin, self.frame_end
+        if begin < self._chunks_start:  # a large frame over several reads: its start is no longer kept
+            return None
         last, base = self.last_chunk()
         if begin >= base:  # the usual case: the frame is in the last chunk fed
             i = begin - base
@@ -202,7 +301,7 @@ class FrameDecoder:
         """Cheap filter: do the bytes just before ``stop`` look like a bin/str/ext
         header whose length takes the frame past the limit? (They may be data
         that only looks so; :meth:`_cannot_fit` decides.)"""
-        start = max(stop - 5, self._frame_start)
+        start = max(stop - 5, self._frame_start, self._chunks_start)
         window = self._bytes(start, min(stop + 4, self._fed))
         # A 16-bit length cannot take a frame this far from the limit past it: look for 32-bit ones only.
         headers = _HEADERS_32 if stop - self._frame_start + 65538 <= self.max_frame_size else _HEADERS_ANY
@@ -222,7 +321,11 @@ class FrameDecoder:
         Zero bytes are the shortest continuation of any msgpack prefix (a zero
         completes a pending element, and makes a pending length smallest), so
         the frame fits iff it completes within the limit when padded with them.
+        Past ``KEEP_PENDING`` the frame's start is no longer kept: it is taken
+        to fit, and refused by its size once its bytes pass the limit.
         """
+        if self._frame_start < self._chunks_start:
+            return False
         probe = self._new_unpacker(self.max_frame_size)
         data = self._pending()
         probe.feed(data)
@@ -243,7 +346,7 @@ class FrameDecoder:
                 return False
 
     def _bytes(self, start: int, end: int) -> bytes:
-        """The fed bytes at offsets [start, end), start >= _frame_start."""
+        """The fed bytes at offsets [start, end), start >= _chunks_start."""
         last = self._chunks[-1] if self._chunks else b""
         base = self._fed - len(last)
         if start >= base:  # the usual case: all in the last chunk fed
@@ -272,6 +375,12 @@ _LONG_RAW_HEADERS = {0xC5: 2, 0xDA: 2, 0xC8: 2, 0xC6: 4, 0xDB: 4, 0xC9: 4}
 _HEADERS_ANY = re.compile(b"[\xc5\xc6\xc8\xc9\xda\xdb]")
 _HEADERS_32 = re.compile(b"[\xc6\xc9\xdb]")
 _ZEROS = memoryview(bytes(64 * 1024))
+# (width of the length, the header bytes with that width) of bin, str and ext types
+_LENGTH_HEADERS = ((4, b"\xc6\xdb\xc9"), (2, b"\xc5\xda\xc8"), (1, b"\xc4\xd9\xc7"))
+
+
+def _zeros(n: int) -> bytes | memoryview:
+    return _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
 
 
 class FrameEncoder:
@@ -285,11 +394,14 @@ class FrameEncoder:
     bytearray: a bytearray grown by a few hundred KiB a batch is copied over
     and over as it grows; the join copies each byte once.
 
-    The broker's deliveries count what they add in ``queued``; the glue
-    counts in ``sending`` what it took and has not yet written. Deliveries
-    stop while the two together reach ``limit`` (see
+    The broker's deliveries, and :meth:`write` (every other frame: results,
+    completions, flow notices, connection control), count what they add in
+    ``queued``; the glue counts in ``sending`` what it took and has not yet
+    written. Deliveries stop while the two together reach ``limit`` (see
     ``SessionOutput.room``): that is how a connection that stops reading
-    stops receiving, its messages waiting in their queues.
+    stops receiving, its messages waiting in their queues. Past ``limit``
+    the server also stops taking the connection's commands
+    (``ConnectionPump.output_full``), so replies cannot pile up either.
     """
 
     __slots__ = ("parts", "_pack", "queued", "sending", "limit")
@@ -298,12 +410,14 @@ class FrameEncoder:
         self.parts: list[bytes] = []
         # A small first buffer (msgpack's default is 256 KiB): it grows to the largest frame packed.
         self._pack = msgpack.Packer(use_bin_type=True, buf_size=INITIAL_BUFFER).pack
-        self.queued = 0  # bytes of deliveries in parts
+        self.queued = 0  # bytes of frames in parts
         self.sending = 0  # bytes taken and not yet written (the glue keeps it)
         self.limit = limit  # most bytes of deliveries queued or being sent (unbounded unless the glue says)
 
     def write(self, frame: Any) -> None:
-        self.parts.append(self._pack(frame))
+        data = self._pack(frame)
+        self.parts.append(data)
+        self.queued += len(data)  # control frames count in the output bound too
 
     def write_header(self) -> None:
         self.parts.append(PROTOCOL_HEADER)

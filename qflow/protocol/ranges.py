@@ -94,6 +94,11 @@ class RangeSet:
     def __bool__(self) -> bool:
         return bool(self._firsts)
 
+    @property
+    def range_count(self) -> int:
+        """How many disjoint ranges it holds (its wire form has twice as many numbers)."""
+        return len(self._firsts)
+
     def clear(self) -> None:
         self._firsts.clear()
         self._lasts.clear()

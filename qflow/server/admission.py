@@ -38,6 +38,8 @@ class ConnectionLimits:
     negotiate_time: float = 10.0  # seconds to finish the handshake (qpidd's --max-negotiate-time, 10000 ms)
     idle_timeout: float = 0.0  # seconds a connection without heartbeats may send nothing (0: forever, as qpidd)
     per_user: int = 0  # --connection-limit-per-user: off by default, as in qpidd
+    # --max-unfinished-input: bytes held in unfinished frames over all connections (qflow.server.input_budget)
+    max_unfinished_input: int = 256 * 1024 * 1024
 
 
 class Throttle:

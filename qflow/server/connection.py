@@ -25,6 +25,7 @@ from qflow.protocol.framing import READ_SIZE, FramingError
 from qflow.protocol.names import printable
 from qflow.protocol.sasl import Users
 from qflow.protocol.tls import certificate_name, handshake_failure
+from qflow.server.input_budget import InputBudget
 from qflow.server.pump import ConnectionPump
 
 log = logging.getLogger("qflow.server")
@@ -54,7 +55,8 @@ class Connection:
     def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
-                 admit: Callable[[str], str | None] | None = None) -> None:
+                 admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None) -> None:
+        """``budget``: the broker-wide bound on input in unfinished frames, told after each read."""
         self.broker = broker
         self.stream = stream
         self.peer = peer
@@ -67,11 +69,15 @@ class Connection:
         self.encoder.limit = OUTPUT_LIMIT_FRAMES * max_frame_size
         self.sessions: dict[int, BrokerSession] = self.pump.sessions
         self._wake = trio.Event()
+        self._written = trio.Event()  # set by the writer after each write: the output may have room again
         self._closing = False  # the connection is ending: the writer sends what is queued and returns
         self._torn = False  # a write was cut off mid-frame: nothing more can be sent
         self._nursery: trio.Nursery | None = None  # the reader's and writer's, open while run() runs
         self._heartbeat_scope = trio.CancelScope()
         self._writer_scope = trio.CancelScope(shield=True)
+        self._reader_scope = trio.CancelScope()
+        self.budget = budget
+        self.evicted: str | None = None  # why the input budget closed this connection
 
     # The negotiated values, as the management API reads them.
     name = _negotiated("name")
@@ -85,8 +91,22 @@ class Connection:
         """Bytes of deliveries queued for this connection or being written to it."""
         return self.encoder.queued + self.encoder.sending
 
+    @property
+    def input_bytes(self) -> int:
+        """Bytes read from this connection and not yet taken as whole frames."""
+        return self.pump.decoder.pending
+
     def wake(self) -> None:
         self._wake.set()
+
+    def evict(self, reason: str) -> None:
+        """Close this connection for holding too much unfinished input: it is
+        told ``reason`` with RESOURCE_LIMIT_EXCEEDED; its sessions close as on
+        any other end."""
+        if self.evicted is None:
+            self.evicted = reason
+            self.protocol.close(P.RESOURCE_LIMIT_EXCEEDED, reason)
+            self._reader_scope.cancel()
 
     def _opened(self, event: Opened) -> None:
         log.info("connection %s opened: name '%s', user '%s'", self.peer, printable(event.name), printable(event.user))
@@ -105,7 +125,10 @@ class Connection:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
                 try:
-                    await self._reader()
+                    with self._reader_scope:
+                        await self._reader()
+                    if self.evicted is not None:
+                        self._log_closed(self.evicted)
                 except TlsHandshakeFailed as exc:
                     protocol.connection_lost()  # no TLS session: nothing can be written to it
                     log.warning("connection %s: TLS handshake failed: %s", self.peer, exc)
@@ -136,9 +159,12 @@ class Connection:
                     self.wake()
                     self._writer_scope.deadline = trio.current_time() + 1
         finally:
+            if self.budget is not None:
+                self.budget.forget(self)
             with trio.CancelScope(shield=True):
                 try:
-                    self.pump.close_sessions()
+                    for _ in self.pump.close_steps():  # many deliveries to put back: others are served between
+                        await trio.lowlevel.checkpoint()
                 except Exception:
                     log.exception("connection %s: error while closing its sessions", self.peer)
                 if self._torn:
@@ -192,6 +218,7 @@ class Connection:
                     try:
                         await send_all(data)
                         encoder.sending = 0
+                        self._written.set()
                         if broker.stalled and not self._closing:
                             broker.output_drained()  # ours, or another's: dispatching a full one is a no-op
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -203,6 +230,18 @@ class Connection:
                         raise
                 if self._closing:
                     return
+
+    @property
+    def reading_paused(self) -> bool:
+        """The connection's output is full: the broker reads nothing more from it until its peer reads."""
+        return self.pump.output_full
+
+    async def _output_room(self) -> None:
+        encoder = self.encoder
+        while encoder.queued + encoder.sending >= encoder.limit:
+            self._written = trio.Event()
+            self.wake()
+            await self._written.wait()
 
     async def _send_heartbeats(self) -> None:
         protocol = self.protocol
@@ -237,14 +276,25 @@ class Connection:
         now = trio.current_time
         if isinstance(self.stream, trio.SSLStream):
             await self._handshake(self.stream)
+        decoder = self.pump.decoder
+        budget = self.budget
         while True:
             with trio.move_on_at(protocol.peer_deadline) as scope:
                 data = await receive(READ_SIZE)
             if scope.cancelled_caught:
                 raise protocol.peer_timed_out()
+            if budget is not None:
+                decoder.hold_exact = budget.crowded
             self.pump.receive(data, now())  # b"" (the client is gone) ends it
-            if self.pump.unfinished is not None:
-                while self.pump.unfinished is not None:  # a long command: others are served between its steps
-                    await trio.lowlevel.checkpoint()
-                    self.pump.step()
+            if budget is not None:
+                for conn, reason in budget.update(self, decoder.pending):
+                    conn.evict(reason)
+            if self.pump.unfinished is not None or self.pump.output_full:
+                while self.pump.unfinished is not None or self.pump.output_full:
+                    if self.pump.unfinished is not None:  # a long command: others are served between its steps
+                        await trio.lowlevel.checkpoint()
+                        self.pump.step()
+                    else:  # its replies fill the output: its commands wait until it reads
+                        await self._output_room()
+                        self.pump.resume()
                 protocol.kept_waiting(now())  # its heartbeats wait unread meanwhile

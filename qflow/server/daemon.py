@@ -263,6 +263,7 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "maxConnections": limits.max_connections, "connectionLimitPerIp": limits.per_ip,
                        "connectionLimitPerUser": limits.per_user,
                        "maxNegotiateTime": round(limits.negotiate_time * 1000), "idleTimeout": limits.idle_timeout,
+                       "maxUnfinishedInput": limits.max_unfinished_input,
                        "mgmtTimeout": args.mgmt_timeout, "dataDir": data_dir,
                        "storeOverfullSize": args.store_quota.overfull if journal is not None else None,
                        "storeUnderfullSize": args.store_quota.resume if journal is not None else None,

@@ -20,6 +20,7 @@ from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.protocol.connection import refusal
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.protocol.read_buffers import keep_read_buffers_in_heap
 from qflow.protocol.sasl import Users
 from qflow.server.admission import (
     MAX_LINGERING,
@@ -31,6 +32,7 @@ from qflow.server.admission import (
     socket_of,
 )
 from qflow.server.connection import Connection
+from qflow.server.input_budget import InputBudget
 
 log = logging.getLogger("qflow.server")
 
@@ -49,6 +51,7 @@ class Server:
         self.limits = limits or ConnectionLimits()
         self.admission = Admission(self.limits)  # one count over every port (plain and TLS)
         self.throttle = Throttle()
+        self.input_budget = InputBudget(self.limits.max_unfinished_input, self.throttle)
         self.connections: set[Connection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
@@ -63,6 +66,7 @@ class Server:
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host``:``port`` (0: a free port, given to ``task_status``);
         with ``ssl_context``, every connection is TLS (qflowd's --ssl-port)."""
+        keep_read_buffers_in_heap()
         if ssl_context is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         else:
@@ -126,7 +130,7 @@ class Server:
 
         conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
                           negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
-                          admit=admit if self.limits.per_user else None)
+                          admit=admit if self.limits.per_user else None, budget=self.input_budget)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent

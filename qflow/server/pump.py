@@ -15,7 +15,7 @@ qflow.protocol.framing.FramingError, with the close frame recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from qflow import protocol as P
@@ -93,6 +93,9 @@ class ConnectionPump:
         # A long command of this connection under way (qflow.broker.commands.Unfinished): until
         # it is done, the frames after it wait in the decoder, so nothing overtakes it.
         self.unfinished: Unfinished | Detaching | None = None
+        # The output reached its limit while commands were being taken: the frames after wait in
+        # the decoder (and the glue reads no more) until the peer has read some (resume()).
+        self.output_full = False
 
     @property
     def opened(self) -> bool:
@@ -112,18 +115,44 @@ class ConnectionPump:
             self._handle_frames()
         self.broker.flush()
 
+    def resume(self) -> None:
+        """The output has room again: take the frames that waited for it."""
+        self.output_full = False
+        self._handle_frames()
+        self.broker.flush()
+
     def close_sessions(self) -> None:
         """The connection is ending: an unfinished command is finished, every
         session is closed (deliveries released, held transfers dropped), and
-        the broker's batch ended."""
+        the broker's batch ended. All at once: see :meth:`close_steps`."""
+        for _ in self.close_steps():
+            pass
+
+    def close_steps(self) -> Iterator[None]:
+        """:meth:`close_sessions` in bounded steps (the glue yields to other
+        connections between two): the unfinished command's steps, then every
+        session closed at once (no more deliveries to it) and their unaccepted
+        deliveries put back SLICE at a time (Broker.close_session_steps)."""
+        broker = self.broker
         if self.unfinished is not None:
-            self.unfinished.finish(self.broker)
+            while not self.unfinished.step(broker):
+                broker.flush()
+                yield
             self.unfinished = None
+        closing = []
         for ssn in list(self.sessions.values()):
             if ssn is not None:
-                self.broker.close_session(ssn)
+                steps = broker.close_session_steps(ssn)
+                if next(steps, steps) is not steps:  # its first step: closed, its subscriptions ended
+                    closing.append(steps)
         self.sessions.clear()
-        self.broker.flush()
+        broker.flush()
+        for steps in closing:
+            yield
+            for _ in steps:
+                broker.flush()
+                yield
+            broker.flush()
 
     def _handle_frames(self) -> None:
         broker = self.broker
@@ -133,6 +162,7 @@ class ConnectionPump:
         run = broker.transfer_run if broker.runs is not None and self.opened else None
         frames = decoder.frames()
         fixarray, transfer = TRANSFER_FIXARRAY, P.TRANSFER  # a transfer's first two bytes, as usually encoded
+        encoder = self.encoder
         skip_runs = 0
         while True:
             if run is not None:
@@ -187,9 +217,15 @@ class ConnectionPump:
                 if broker.unfinished is not None:
                     self.unfinished, broker.unfinished = broker.unfinished, None
                     break
+                if encoder.queued + encoder.sending >= encoder.limit:  # replies wait for the peer to read
+                    self.output_full = True
+                    break
             else:
                 self._control(frame)
                 if self.unfinished is not None:  # a detach with many deliveries to put back
+                    break
+                if encoder.queued + encoder.sending >= encoder.limit:
+                    self.output_full = True
                     break
                 last, base = decoder.last_chunk()  # connection.open may have replaced the decoder's buffer
                 run = broker.transfer_run if broker.runs is not None and self.opened else None

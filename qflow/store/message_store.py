@@ -97,6 +97,10 @@ class Commit:
     tokens: list[int]
 
 
+# The name a session held by the store's quota is told (session.flow-notice, heldBy).
+OVERFULL = "store overfull"
+
+
 class MessageStore:
     """``journal`` (recovered already) made the holder of ``broker``'s durable
     queues. ``wake`` is called, on the loop, whenever there is something to
@@ -113,6 +117,9 @@ class MessageStore:
         self.quota.update(journal.size_on_disk())  # a recovered journal may be overfull already
         self._quota_held: list[int] = []  # synced while overfull, in commit order: released when underfull
         self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued)
+        self.holder.tracks = True  # so that, once overfull, the sessions of the holds it has then are named
+        if self.quota.overfull:
+            broker.flow.name_holds(self.holder, OVERFULL)
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
         # Queue name -> sequence numbers dequeued before their hold was staged (and transient ones: see _dequeued)
@@ -299,9 +306,13 @@ class MessageStore:
         quota = self.quota
         # The size is checked after each commit, as the Java broker checks after each transaction: what
         # was in flight when the limit was crossed is written anyway (best effort), and held from then on.
-        if quota.update(self.journal.size_on_disk()) and not quota.overfull:
-            self.holder.release(self._quota_held)
-            self._quota_held = []
+        if quota.update(self.journal.size_on_disk()):
+            if quota.overfull:  # the sessions held from now on are told by whom
+                self.broker.flow.name_holds(self.holder, OVERFULL)
+            else:
+                self.holder.release(self._quota_held)
+                self._quota_held = []
+                self.broker.flow.name_holds(self.holder, None)
         if quota.overfull:
             self._quota_held += commit.tokens
         else:

@@ -240,7 +240,7 @@ function renderConnections(list) {
   for (const c of list) {
     const sessions = c.sessions.length ? c.sessions : [null];
     sessions.forEach((s, i) => {
-      const heldBy = s ? s.heldBy.map(h => `${h.queue} since ${clock(h.since)} (${h.heldSeconds} s)`).join(", ") : "";
+      const heldBy = s ? s.heldBy.map(h => `${h.queue ?? h.holder} since ${clock(h.since)} (${h.heldSeconds} s)`).join(", ") : "";
       const tr = el("tr", {dataset: {connection: c.peer, session: s ? s.name : ""}},
         el("td", {}, i === 0 ? `${c.name || ""} ${c.peer}`.trim() : ""),
         el("td", {}, i === 0 ? c.user || "" : ""),
