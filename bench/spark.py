@@ -194,7 +194,8 @@ def spark_alone_read(spark, n: int) -> float:
             import pyarrow as pa
 
             k = 32768  # as a read task's batches, once past its first
-            cols = [[BODY] * k, [""] * k, ["br"] * k, *[[None] * k] * 4, list(range(k)), [False] * k]
+            cols = [[BODY] * k, [""] * k, ["br"] * k, *[[None] * k] * 4, list(range(k)), [False] * k, ["br"] * k,
+                    [None] * k]  # ..., sequence, redelivered, queue, timestamp
             batch = pa.RecordBatch.from_arrays([pa.array(c, t) for c, t in zip(cols, _arrow_types(), strict=True)],
                                                names=list(COLUMNS))
             left = part.rows

@@ -468,3 +468,28 @@ async def test_with_auth_no_clients_are_anonymous_or_who_they_say(tmp_path):
             403, {"error": "not allowed: anonymous delete queue name=anon.q"})
     finally:
         d.stop()
+
+
+async def test_queue_list_names_only_the_queues_a_user_may_access(setup, tmp_path):
+    """queue.list (a Spark source's queuePattern asks it) is checked per
+    queue as "access queue": a queue the user may not access is left out,
+    not refused, so a pattern never reveals it."""
+    db, _ = setup
+    acl = tmp_path / "broker.acl"
+    acl.write_text(ACL.replace("acl allow staff access queue\n",
+                               "acl deny alice access queue name=payments\nacl allow staff access queue\n"))
+    d = start_acl_broker(db, acl)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with connect(d, "bob") as bob_conn, connect(d, "alice") as alice_conn:
+                bob = await bob_conn.session()
+                await bob.declare_queue("payments")
+                await bob.declare_queue("tmp.orders")
+                alice = await alice_conn.session()
+                assert "payments" not in await alice.list_queues()
+                assert "tmp.orders" in await alice.list_queues()
+                assert {"payments", "tmp.orders"} <= set(await bob.list_queues())
+                with pytest.raises(NotAllowed):
+                    await alice.query_queue("payments")
+    finally:
+        d.stop()

@@ -135,7 +135,7 @@ def test_command_name_of_unknown_code() -> None:
 
 def test_check_properties_accepts_every_known_key() -> None:
     props = {"message_id": "m", "correlation_id": "c", "content_type": "text/plain", "durable": True,
-             "headers": {"a": 1, "b": [1, 2], "c": None}}
+             "headers": {"a": 1, "b": [1, 2], "c": None}, "timestamp": 1_790_000_000_123}
     assert set(props) == P.PROPERTY_KEYS
     assert check_properties(props) is props
     assert check_properties({}) == {}
@@ -163,6 +163,11 @@ def test_check_properties_unknown_key(key: str) -> None:
     ({"message_id": 5}, "'message_id' must be a string"),
     ({"correlation_id": b"c"}, "'correlation_id' must be a string"),
     ({"content_type": True}, "'content_type' must be a string"),
+    ({"timestamp": "2026-11-24"}, "'timestamp' must be an integer (milliseconds since the Unix epoch"),
+    ({"timestamp": 1.5}, "'timestamp' must be an integer"),
+    ({"timestamp": True}, "'timestamp' must be an integer"),
+    ({"timestamp": -1}, "'timestamp' must be an integer"),
+    ({"timestamp": None}, "'timestamp' must be an integer"),
     (["message_id", "m"], "properties must be a map or nil"),
     ("m", "properties must be a map or nil"),
 ])

@@ -130,3 +130,30 @@ async def test_browsing_from_a_sequence_deep_in_the_queue_delivers_from_there_in
             got += [m.sequence for m in await receiver.fetch_many()]
     assert got == list(range(5001, 10_001))
     assert (await ssn.query_queue("deep"))["msgDepth"] == 10_000
+
+
+async def test_queue_list_names_the_queues_and_a_timestamp_travels_with_its_message(ssn):
+    """queue.list: what a Spark source's queuePattern is matched against. The
+    timestamp property: set by the sender, kept by the broker as it is."""
+    await fill(ssn, "listed-a", 0)
+    await fill(ssn, "listed-b", 0)
+    assert {"listed-a", "listed-b"} <= set(await ssn.list_queues())
+    await ssn.delete_queue("listed-b")
+    assert "listed-b" not in await ssn.list_queues()
+    sender = ssn.sender("listed-a", capacity=10)
+    await sender.send_with(b"stamped", {"timestamp": 1_790_000_000_123, "message_id": "s"})
+    await sender.send_many([b"x", b"y"], timestamp=5)
+    await sender.send(b"plain")
+    paced = ssn.sender("listed-a", capacity=10, rate=1000.0, durable=True)
+    await paced.send_many([b"paced"], timestamp=7)  # one at a time, the same properties
+    await paced.send_with(b"default", None)  # the sender's durability
+    await paced.send_with(b"transient", {})  # a map is taken as it is
+    await sender.sync()
+    await paced.sync()
+    receiver = await ssn.receiver("listed-a")
+    got = [await receiver.fetch(timeout=10) for _ in range(7)]
+    assert [(m.body, m.timestamp) for m in got] == [(b"stamped", 1_790_000_000_123), (b"x", 5), (b"y", 5),
+                                                    (b"plain", None), (b"paced", 7), (b"default", None),
+                                                    (b"transient", None)]
+    assert got[0].message_id == "s"
+    assert [m.durable for m in got[4:]] == [True, True, False]

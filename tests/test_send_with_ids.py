@@ -72,6 +72,22 @@ async def test_a_paced_sender_sends_each_message_with_its_id(running, ssn):
     assert [(m.body, m.message_id) for m in got] == [(b"%d" % i, f"p-{i}") for i in range(6)]
 
 
+@pytest.mark.parametrize("rate", [None, 10_000])
+async def test_send_many_with_message_ids_and_a_timestamp_stamps_each_message(running, ssn, rate):
+    """The Spark writer's batch: an id each, one timestamp (and headers) for
+    all; each message keeps its own id and carries the shared ones, run or paced."""
+    await ssn.declare_queue("stamped")
+    stamp = 1_764_000_000_123
+    sender = ssn.sender("stamped", capacity=50, rate=rate)
+    ids = [f"q-3-0-{i}" for i in range(120)]
+    assert await sender.send_many([b"r%d" % i for i in range(120)], message_ids=ids, timestamp=stamp,
+                                  headers={"src": "orders"}) == 120
+    await sender.sync()
+    got = await _all(await ssn.receiver("stamped"), 120)
+    assert [(m.body, m.message_id, m.timestamp, m.headers) for m in got] == \
+        [(b"r%d" % i, ids[i], stamp, {"src": "orders"}) for i in range(120)]
+
+
 @pytest.mark.parametrize("kwargs, error", [
     ({"message_ids": ["a"]}, "3 bodies but 1 message ids; nothing sent"),
     ({"message_ids": ["a", None, "c"]}, "message_ids[1] is NoneType, not str; nothing sent"),

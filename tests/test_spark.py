@@ -1,7 +1,8 @@
 """The PySpark data source: batch and streaming, read and write, against a real
 qflowd subprocess (Spark's Python workers are separate processes).
 
-One local[1] SparkSession serves the whole module. Skipped only when pyspark
+One local[1,2] SparkSession (one core; a failed task is tried twice)
+serves the whole module. Skipped only when pyspark
 cannot be imported; ``make test`` installs it (the ``test`` extra pulls in
 ``qflow[spark]``), so CI runs these.
 """
@@ -70,7 +71,7 @@ def spark() -> Iterator[Any]:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    builder = SparkSession.builder.master("local[1]").appName("qflow-tests")
+    builder = SparkSession.builder.master("local[1,2]").appName("qflow-tests")
     for k, v in SPARK_CONF.items():
         builder = builder.config(k, v)
     session = builder.getOrCreate()
@@ -93,9 +94,9 @@ def broker(daemon: Daemon) -> str:
 
 
 # -- helpers: short trio programs against the daemon ---------------------------------
-def on_broker(daemon: Daemon, fn: Any, *args: Any) -> Any:
+def on_broker(daemon: Daemon, fn: Any, *args: Any, timeout: float = 60) -> Any:
     async def main() -> Any:
-        with trio.fail_after(60):
+        with trio.fail_after(timeout):
             conn = await qflow.connect("127.0.0.1", daemon.port)
             try:
                 return await fn(await conn.session(), *args)
@@ -277,7 +278,7 @@ def test_batch_write_and_read_round_trip(spark: Any, daemon: Daemon, broker: str
     by_body = {r.body.decode(): r for r in got}
     for body, mid, headers in rows:
         r = by_body[body]
-        assert r.headers == headers and r.routing_key == "rt" and r.exchange == "" and r.redelivered is False
+        assert {k: v.string for k, v in r.headers.items()} == headers and r.routing_key == "rt" and r.exchange == "" and r.redelivered is False
         if mid is not None:
             assert r.message_id == mid
         else:  # deterministic: WRITE-ID-PARTITION-ROW
@@ -332,7 +333,7 @@ def test_streaming_available_now_reads_writes_and_commits(spark: Any, daemon: Da
     assert [p["numInputRows"] for p in progress] == [4, 4, 2]  # admission control
     # Lag in the progress: the source's latestOffset says how far the queue is ahead of the batch.
     latest = [p["sources"][0]["latestOffset"] for p in progress]
-    lags = [(json.loads(x) if isinstance(x, str) else x)["lag"] for x in latest]
+    lags = [(json.loads(x) if isinstance(x, str) else x)["s-in"]["lag"] for x in latest]
     assert lags == [6, 2, 0], lags
     out = browse(daemon, "s-out")
     assert [m.body for m in out] == [f"m{i}".encode() for i in range(10)]
@@ -433,8 +434,8 @@ def test_write_blocks_on_flow_stopped_queue_until_drained(spark: Any, daemon: Da
     assert len({m.message_id for m in got}) == 40
     # The writer's messages, each with its own id, are taken by the broker as runs: the accounting
     # stays exact, the held queue's bytes are its messages' sizes (exchange, routing key, properties, body).
-    sizes = [len(msgpack.packb("")) + len(msgpack.packb("slow")) + len(msgpack.packb({"message_id": m.message_id}))
-             + len(m.body) for m in got]
+    sizes = [len(msgpack.packb("")) + len(msgpack.packb("slow"))
+             + len(msgpack.packb({"message_id": m.message_id, "timestamp": m.timestamp})) + len(m.body) for m in got]
     assert held["byteDepth"] == sum(sizes[:held["msgDepth"]]), (held, sizes)
     st = stats(daemon, "slow")
     assert st["flowStoppedCount"] >= 1 and (st["msgDepth"], st["byteDepth"]) == (0, 0)
@@ -822,3 +823,278 @@ def test_tls_options_write_and_read_over_mutual_tls_as_the_certificate_name(spar
             ReadOptions.parse({"queue": "q", "ssl": "true", "sslKeyFile": "k.pem"})
     finally:
         d.stop()
+
+
+# -- issue 15: what users of Kafka's source expect; idempotent writes -------------------
+def test_several_queues_and_per_queue_offsets_are_parsed_and_checked() -> None:
+    opts = ReadOptions.parse({"queue": "a, b", "startingOffsets": '{"a": 17, "b": "latest"}',
+                              "endingOffsets": '{"a": 30}'})
+    assert opts.queues == ("a", "b") and opts.pattern is None
+    assert (opts.starting_for("a"), opts.starting_for("b")) == (17, "latest")
+    assert (opts.ending_for("a"), opts.ending_for("b")) == (30, None)
+    # Kafka's -2 (earliest) and -1 (latest) are understood.
+    opts = ReadOptions.parse({"queue": "a,b", "startingOffsets": '{"a": -2, "b": -1}', "endingOffsets": '{"b": -1}'})
+    assert (opts.starting_for("a"), opts.starting_for("b"), opts.ending_for("b")) == ("earliest", "latest", None)
+    opts = ReadOptions.parse({"queuePattern": "orders-.*", "startingOffsets": '{"orders-1": 5}'})
+    assert opts.matches("orders-1") and not opts.matches("x-orders-1") and not opts.matches("orders")
+    assert (opts.starting_for("orders-1"), opts.starting_for("orders-2")) == (5, "earliest")  # new: earliest
+    for bad, text in [({"queue": "a,,b"}, "each once, none empty"),
+                      ({"queue": "a,a"}, "each once, none empty"),
+                      ({"queue": "a", "queuePattern": "a.*"}, "not both"),
+                      ({"queuePattern": "("}, "'queuePattern' '\\(' is not a regular expression"),
+                      ({"queue": "a,b", "startingOffsets": "5"}, "a sequence number is of one queue"),
+                      ({"queuePattern": "a.*", "endingOffsets": "5"}, "a sequence number is of one queue"),
+                      ({"queue": "a,b", "startingOffsets": '{"c": 1}'}, "names queue 'c', which is not among"),
+                      ({"queuePattern": "a.*", "startingOffsets": '{"b": 1}'}, "which queuePattern 'a.\\*' does"),
+                      ({"queue": "a", "startingOffsets": '{"a": 0}'}, "queue 'a' has 0"),
+                      ({"queue": "a", "startingOffsets": "{nope"}, "'startingOffsets' is not valid JSON"),
+                      ({"queue": "a", "endingOffsets": '{"a": "earliest"}'}, "queue 'a' has 'earliest'"),
+                      ({}, "needs option 'queue'")]:
+        with pytest.raises(ValueError, match=text):
+            ReadOptions.parse(bad)
+
+
+def send_many(daemon: Daemon, queue: str, bodies: list[str]) -> None:
+    send(daemon, queue, bodies)
+
+
+def test_batch_read_of_several_queues_with_per_queue_offsets(spark: Any, daemon: Daemon, broker: str) -> None:
+    """As Kafka's `subscribe` of several topics, `subscribePattern`, and
+    per-partition JSON offsets: a comma list or a pattern reads several
+    queues, each row names its queue, and startingOffsets/endingOffsets bound
+    each queue by its own sequence numbers ({"kq-a": 3} starts queue kq-a at
+    its third message; endingOffsets is exclusive)."""
+    declare(daemon, "kq-a", "kq-b", "kq-c", "other-kq")
+    for q in ("kq-a", "kq-b", "kq-c", "other-kq"):
+        send(daemon, q, [f"{q}/{i}" for i in range(1, 6)])  # sequences 1..5 of each
+
+    def got(**options: str) -> list[tuple[str, int, bytes]]:
+        df = spark.read.format("qflow").option("broker", broker).options(**options).load()
+        return sorted((r.queue, r.sequence, r.body) for r in df.collect())
+
+    rows = got(queue="kq-a,kq-b", startingOffsets='{"kq-a": 3}', endingOffsets='{"kq-b": 3}')
+    assert rows == [("kq-a", i, f"kq-a/{i}".encode()) for i in (3, 4, 5)] + \
+                   [("kq-b", i, f"kq-b/{i}".encode()) for i in (1, 2)]
+    rows = got(queuePattern="kq-.*", startingOffsets='{"kq-c": -2, "kq-b": 5}')
+    assert [(q, s) for q, s, _ in rows] == [("kq-a", i) for i in range(1, 6)] + [("kq-b", 5)] + \
+                                         [("kq-c", i) for i in range(1, 6)]
+    assert got(queuePattern="no-such-.*") == []
+    with pytest.raises(Exception, match="'startingOffsets' cannot be latest for a batch read .* queue 'kq-b'"):
+        got(queue="kq-a,kq-b", startingOffsets='{"kq-b": "latest"}')
+    assert stats(daemon, "kq-a")["msgDepth"] == 5  # a batch read browses
+
+
+def progress_offsets(progress: dict, key: str) -> dict:
+    value = progress["sources"][0][key]
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def test_streaming_pattern_picks_up_new_queues_and_reports_lag_per_queue(spark: Any, daemon: Daemon, broker: str,
+                                                                        tmp_path: Any) -> None:
+    """queuePattern is matched against the broker's queues when each
+    micro-batch is planned: a matching queue declared while the query runs is
+    read from its first message at the next micro-batch. Offsets, commits and
+    lag are per queue; failOnDataLoss names the queue."""
+    declare(daemon, "pat-a", "pat-out")
+    send(daemon, "pat-a", [f"a{i}" for i in range(5)])
+    spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "100")
+    try:
+        query = spark.readStream.format("qflow").option("broker", broker).option("queuePattern", "pat-[a-z]") \
+            .option("maxMessagesPerTrigger", "4").load().selectExpr("queue", "body") \
+            .selectExpr("cast(concat(queue, ':', cast(body as string)) as binary) AS body") \
+            .writeStream.format("qflow").option("broker", broker).option("queue", "pat-out") \
+            .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(processingTime="200 milliseconds").start()
+        try:
+            wait_until(lambda: stats(daemon, "pat-out")["msgDepth"] == 5 or not query.isActive, "pat-a's messages")
+            declare(daemon, "pat-b")  # after the query started
+            send(daemon, "pat-b", [f"b{i}" for i in range(6)])
+            wait_until(lambda: stats(daemon, "pat-out")["msgDepth"] == 11 or not query.isActive, "pat-b's messages")
+            wait_until(lambda: stats(daemon, "pat-a")["msgDepth"] + stats(daemon, "pat-b")["msgDepth"] == 0
+                       or not query.isActive, "both queues' batches to be committed")
+            assert query.isActive, query.exception()
+            progress = [p for p in query.recentProgress if p["numInputRows"]]
+        finally:
+            query.stop()
+    finally:
+        spark.conf.unset("spark.sql.streaming.noDataProgressEventInterval")
+    assert sorted(bodies(daemon, "pat-out")) == sorted([f"pat-a:a{i}".encode() for i in range(5)] +
+                                                       [f"pat-b:b{i}".encode() for i in range(6)])
+    # Offsets are keyed by queue, each with its own incarnation; "pat-out" does not match.
+    last_end = progress_offsets(progress[-1], "endOffset")
+    assert set(last_end) == {"pat-a", "pat-b"}
+    assert last_end["pat-a"]["incarnation"] == stats(daemon, "pat-a")["incarnation"]
+    # Lag per queue: the queue's last sequence number minus the batch's end, in the progress report.
+    lags = [{q: v["lag"] for q, v in progress_offsets(p, "latestOffset").items()} for p in progress]
+    assert any(lag.get("pat-b", 0) > 0 for lag in lags), lags  # 6 messages, at most 4 per trigger
+    assert lags[-1] == {"pat-a": 0, "pat-b": 0}, lags
+    # failOnDataLoss names the queue: pat-b deleted and declared again.
+    on_broker(daemon, lambda ssn: ssn.delete_queue("pat-b"))
+    declare(daemon, "pat-b")
+    send(daemon, "pat-b", ["again"])
+    failing = spark.readStream.format("qflow").option("broker", broker).option("queuePattern", "pat-[a-z]").load() \
+        .select("body").writeStream.format("qflow").option("broker", broker).option("queue", "pat-out") \
+        .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start()
+    fails_with_data_loss(failing, "pat-b", "read through sequence 6")
+    assert stats(daemon, "pat-b")["msgDepth"] == 1
+
+
+def test_timestamp_column_and_typed_headers_round_trip(spark: Any, daemon: Daemon, broker: str) -> None:
+    """The timestamp column is the sender's timestamp property (the Spark
+    writer stamps each message with its send time, or its row's timestamp).
+    Headers keep their types: a long stays a long, binary stays binary; what
+    was read writes back as the same typed properties."""
+    declare(daemon, "typed", "typed-copy", "typed-map")
+    headers = {"s": "text", "n": 7, "big": -(1 << 40), "f": 1.5, "yes": True, "raw": b"\x00\xff", "none": None,
+               "list": [1, "two"]}
+    stamp = 1_790_000_000_123
+
+    async def publish(ssn: qflow.Session) -> None:
+        sender = ssn.sender("typed", capacity=10)
+        await sender.send_with(b"with", {"headers": headers, "timestamp": stamp, "message_id": "m1"})
+        await sender.send(b"without")
+        await sender.send(b"qpid-send", headers={"ts": stamp * 1_000_000 + 999})  # qflow-send --timestamp yes
+        await sender.sync()
+
+    on_broker(daemon, publish)
+    rows = {r.body: r for r in read(spark, broker, "typed").selectExpr("*", "unix_millis(timestamp) AS ms").collect()}
+    with_ = rows[b"with"]
+    assert with_.ms == stamp and with_.timestamp is not None
+    h = with_.headers
+    assert (h["s"].string, h["n"].long, h["big"].long, h["f"].double, h["yes"].boolean, bytes(h["raw"].binary)) == \
+        ("text", 7, -(1 << 40), 1.5, True, b"\x00\xff")
+    assert h["none"] is None and json.loads(h["list"].json) == [1, "two"]
+    assert h["n"].string is None and h["s"].long is None  # one field per value: its type's
+    assert rows[b"without"].ms is None and rows[b"without"].headers is None
+    assert rows[b"qpid-send"].ms == stamp  # nanoseconds, as qpid-send's ts
+    assert spark.sql("SELECT 1").collect()  # the session is unharmed
+
+    before = int(time.time() * 1000)
+    read(spark, broker, "typed").write.format("qflow").option("broker", broker).option("queue", "typed-copy") \
+        .mode("append").save()
+    after = int(time.time() * 1000)
+    copied = {m.body: m for m in browse(daemon, "typed-copy")}
+    assert copied[b"qpid-send"].timestamp == stamp
+    assert copied[b"with"].headers == headers and copied[b"with"].timestamp == stamp
+    assert copied[b"with"].message_id == "m1"
+    assert copied[b"without"].headers == {} and before <= copied[b"without"].timestamp <= after  # stamped when sent
+
+    df = spark.createDataFrame([("x", {"count": 3, "total": 40})], "body string, headers map<string,bigint>")
+    df.write.format("qflow").option("broker", broker).option("queue", "typed-map").mode("append").save()
+    assert browse(daemon, "typed-map")[0].headers == {"count": 3, "total": 40}
+    bad = spark.createDataFrame([("x", {"k": [1]})], "body string, headers map<string,array<int>>")
+    with pytest.raises(Exception, match="column 'headers' must be a map with string keys and values of one type"):
+        bad.write.format("qflow").option("broker", broker).option("queue", "typed-map").mode("append").save()
+
+
+def test_a_write_batch_shares_one_timestamp_and_its_constant_properties(spark: Any, daemon: Daemon,
+                                                                         broker: str) -> None:
+    """A batch is one run (send_many with an id each): without a timestamp
+    column, its messages carry one send time; a timestamp, headers or
+    correlation_id column with one value throughout is the batch's. The reader
+    gives them back as the timestamp, headers and queue columns."""
+    import datetime
+
+    declare(daemon, "shared-now", "shared-const")
+    n = 300  # one Arrow batch of one partition
+    df = spark.createDataFrame([(f"row {i}",) for i in range(n)], "body string").coalesce(1)
+    before = int(time.time() * 1000)
+    df.write.format("qflow").option("broker", broker).option("queue", "shared-now").option("writeId", "w1") \
+        .mode("append").save()
+    after = int(time.time() * 1000)
+    got = browse(daemon, "shared-now")
+    assert [m.body for m in got] == [f"row {i}".encode() for i in range(n)]
+    assert [m.message_id for m in got] == [f"w1-0-{i}" for i in range(n)]
+    stamps = {m.timestamp for m in got}
+    assert len(stamps) == 1 and before <= stamps.pop() <= after
+
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=datetime.UTC)
+    const = spark.createDataFrame([(f"row {i}", when, {"src": "orders"}, "c-1") for i in range(n)],
+                                  "body string, timestamp timestamp, headers map<string,string>, "
+                                  "correlation_id string").coalesce(1)
+    const.write.format("qflow").option("broker", broker).option("queue", "shared-const").mode("append").save()
+    ms = int(when.timestamp() * 1000)
+    got = browse(daemon, "shared-const")
+    assert len({m.message_id for m in got}) == n
+    assert {(m.timestamp, tuple(m.headers.items()), m.correlation_id) for m in got} == \
+        {(ms, (("src", "orders"),), "c-1")}
+    rows = read(spark, broker, "shared-const").selectExpr("queue", "unix_millis(timestamp) AS ms",
+                                                          "headers['src'].string AS src").distinct().collect()
+    assert [(r.queue, r.ms, r.src) for r in rows] == [("shared-const", ms, "orders")]
+
+
+def broker_clients(port: int) -> set[int]:
+    """PIDs of this user's processes with a TCP connection to 127.0.0.1:``port``
+    (from /proc: the sockets' inodes, then each process's descriptors)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.add(int(pid))
+        except OSError:  # gone, or not ours
+            continue
+    return pids
+
+
+def drain_ids(daemon: Daemon, queue: str, n: int, timeout: float = 240) -> list[qflow.ReceivedMessage]:
+    """Take messages until ``n`` distinct message ids have come."""
+    async def go(ssn: qflow.Session) -> list[qflow.ReceivedMessage]:
+        receiver = await ssn.receiver(queue, capacity=10)
+        out, ids = [], set()
+        with trio.fail_after(timeout):
+            while len(ids) < n:
+                m = await receiver.fetch()
+                out.append(m)
+                ids.add(m.message_id)
+        await receiver.close()
+        return out
+
+    # The whole program within the same time (on_broker's 60 s would cut the wait short).
+    return on_broker(daemon, go, timeout=timeout)
+
+
+def test_batch_write_ids_survive_a_task_retry(spark: Any, daemon: Daemon, broker: str) -> None:
+    """Idempotent writes without writeId: a write task is held by a
+    flow-stopped queue after sending part of its rows, and its Python worker
+    is killed (-9). Spark retries the task, which sends the same message ids
+    (write id, partition, row), so a consumer that drops duplicates by id ends
+    with each row exactly once."""
+    import signal
+
+    declare(daemon, "retry-out", **{"qpid.flow_stop_count": 50, "qpid.flow_resume_count": 40})
+    n = 400
+    df = spark.createDataFrame([(f"row {i}",) for i in range(n)], "body string").coalesce(1)
+    killed: dict[str, Any] = {}
+
+    def kill_the_writer() -> None:
+        try:
+            wait_until(lambda: stats(daemon, "retry-out")["heldTransfers"] >= 1, "the writer to be held", 120)
+            killed["sent"] = stats(daemon, "retry-out")["msgDepth"]
+            workers = broker_clients(daemon.port) - {os.getpid(), daemon.proc.pid}
+            assert len(workers) == 1, workers  # the held write task's Python worker
+            killed["pid"] = workers.pop()
+            os.kill(killed["pid"], signal.SIGKILL)
+            killed["got"] = drain_ids(daemon, "retry-out", n)
+        except BaseException as exc:  # reported below
+            killed["error"] = exc
+
+    thread = threading.Thread(target=kill_the_writer, daemon=True)
+    thread.start()
+    df.write.format("qflow").option("broker", broker).option("queue", "retry-out").option("capacity", "5") \
+        .mode("append").save()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and "error" not in killed, killed
+    got = killed["got"] + drain(daemon, "retry-out", stats(daemon, "retry-out")["msgDepth"])
+    assert 50 <= killed["sent"] < n  # the first attempt sent part of its rows
+    first: dict[str, bytes] = {}
+    for m in got:
+        assert first.setdefault(m.message_id, m.body) == m.body  # a duplicate is the same message
+    assert len(got) >= n + killed["sent"]  # the retry sent every row again
+    assert sorted(first.values()) == sorted(f"row {i}".encode() for i in range(n))
+    assert len({k.rsplit("-", 2)[0] for k in first}) == 1  # one write: the same id in both attempts
+    assert stats(daemon, "retry-out")["msgDepth"] == 0

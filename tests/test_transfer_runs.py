@@ -226,6 +226,34 @@ def test_scan_takes_transfers_that_differ_only_in_their_message_id_as_one_run():
     assert _scan(t("é") + t("é") + t("f")) == (2, 2 * len(t("é")))
 
 
+def test_a_spark_write_batch_with_a_shared_timestamp_is_one_run():
+    """The Spark writer's batch: send_many(bodies, message_ids=..., timestamp=T)
+    encodes each transfer as the client does (the id the map's first key, the
+    batch's send time after it, the same for all). The scanner takes the
+    whole batch as one run, with durable and shared headers too; a timestamp
+    differing per row ends the run (the writer sends such rows one by one)."""
+    from qflow.client.sender import _properties
+    from qflow.protocol.encodings import bin_header, str_header, transfer_prefix_around_id
+
+    def frames(ids: list[str], stamps: list[int], durable: bool = False, headers: dict | None = None) -> list[bytes]:
+        out = []
+        for mid, ts in zip(ids, stamps, strict=True):
+            before, after = transfer_prefix_around_id(0, "", "q", _properties(None, None, None, durable, headers, ts))
+            body = f"row {mid}".encode()
+            out.append(before + str_header(len(mid)) + mid.encode() + after + bin_header(len(body)) + body)
+        return out
+
+    now = 1_764_000_000_123  # milliseconds: a uint64 in msgpack
+    ids = [f"query-7-0-{i}" for i in range(500)]
+    for durable, headers in [(False, None), (True, None), (True, {"source": "orders", "n": 3})]:
+        batch = frames(ids, [now] * len(ids), durable, headers)
+        assert msgpack.unpackb(batch[0])[4] == {"message_id": ids[0], **({"durable": True} if durable else {}),
+                                                 **({"headers": headers} if headers else {}), "timestamp": now}
+        assert _scan(b"".join(batch)) == (len(ids), sum(map(len, batch))), (durable, headers)
+    differing = frames(ids[:3], [now, now, now + 1])
+    assert _scan(b"".join(differing)) == (2, len(differing[0]) + len(differing[1]))
+
+
 def test_a_run_with_an_id_each_stores_each_message_as_sent_and_sized_so():
     """Each entry is its own transfer's bytes (its own id), each size counts
     its own id's length, and the queue's and the accounting's byte depths are

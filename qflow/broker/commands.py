@@ -132,6 +132,19 @@ def _queue_remove_sequences(broker: Broker, ssn: BrokerSession, cid: int, queue:
     return broker.remove_sequences_steps(queue, incarnation, _ids("queue.remove-sequences", sequences), by=ssn)
 
 
+def _queue_list(broker: Broker, ssn: BrokerSession, cid: int) -> dict:
+    # A reader subscribing by pattern asks which queues there are: only those
+    # the user may access are named (an ACL's deny is not an error here).
+    names = []
+    for name in broker.queues:
+        try:
+            broker.authorize(ssn.user, "access", "queue", {"name": name})
+        except CommandError:
+            continue
+        names.append(name)
+    return {"queues": names}
+
+
 @_changes("queue.purge", lambda queue: f"'{queue}'")
 def _queue_purge(broker: Broker, ssn: BrokerSession, cid: int, queue: str) -> Steps:
     broker.authorize(ssn.user, "purge", "queue", {"name": queue})
@@ -301,6 +314,7 @@ HANDLERS: dict[int, Callable[..., Any]] = {
     P.EXCHANGE_UNBIND: _unbind, P.SUBSCRIBE: _subscribe, P.FLOW: _flow, P.ACCEPT: _accept, P.RELEASE: _release,
     P.CANCEL: _cancel, P.SYNC: _sync, P.SENDER_CAPACITY: _sender_capacity,
     P.QUEUE_AVAILABLE: _queue_available, P.QUEUE_REMOVE_SEQUENCES: _queue_remove_sequences,
+    P.QUEUE_LIST: _queue_list,
 }
 
 

@@ -125,6 +125,11 @@ class ReceivedMessage:
     def headers(self) -> dict[str, Any]:
         return self.properties.get("headers") or {}
 
+    @property
+    def timestamp(self) -> int | None:
+        """The sender's ``timestamp`` property: milliseconds since the Unix epoch, or None."""
+        return self.properties.get("timestamp")
+
     def accept(self) -> None:
         self._run.receiver.accept([self])
 

@@ -41,7 +41,7 @@ def _to_bytes(body: Any) -> bytes:
 
 
 def _properties(message_id: str | None, correlation_id: str | None, content_type: str | None, durable: bool,
-                headers: dict[str, Any] | None) -> dict[str, Any] | None:
+                headers: dict[str, Any] | None, timestamp: int | None = None) -> dict[str, Any] | None:
     """message.transfer's properties map, or None when there are none."""
     props: dict[str, Any] = {}
     if message_id is not None:
@@ -54,6 +54,8 @@ def _properties(message_id: str | None, correlation_id: str | None, content_type
         props["durable"] = True
     if headers:
         props["headers"] = headers
+    if timestamp is not None:
+        props["timestamp"] = timestamp
     return props or None
 
 
@@ -206,6 +208,39 @@ class Sender:
             self._unyielded = 0
             await trio.lowlevel.checkpoint()
 
+    async def send_with(self, body: bytes | str, properties: dict[str, Any] | None, *,
+                        routing_key: str | None = None) -> None:
+        """Send one message with a properties map the caller built, with any
+        of message.transfer's keys (``message_id``, ``correlation_id``,
+        ``content_type``, ``durable``, ``headers``, ``timestamp``: milliseconds
+        since the Unix epoch; the broker does not stamp messages). For a writer
+        that sets them per message, such as the Spark writer; otherwise as
+        ``send``. A map is taken as it is (no ``durable``: transient); None
+        is the sender's default. ``send`` itself takes no timestamp: a
+        parameter more would cost its per-message path a few percent."""
+        if properties is None and self._durable:
+            properties = {"durable": True}
+        body, prefix = await self._prepare(body, routing_key, properties or None)
+        # As send's slow path from here (send inlines it: a call per message costs it).
+        commands = self._commands
+        command_id = commands.next_id
+        commands.next_id = command_id + 1
+        if commands.last_owner is not self:
+            commands.new_run(command_id, self)
+        parts = self._parts
+        if not parts:
+            self._conn._wake.set()
+        parts.append(prefix)
+        parts.append(body)
+        incomplete = self.incomplete + 1
+        self.incomplete = incomplete
+        if incomplete > self.max_incomplete:
+            self.max_incomplete = incomplete
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
+
     async def _prepare(self, body: bytes | str, routing_key: str | None,
                        props: dict[str, Any] | None) -> tuple[bytes, bytes]:
         """send's preliminaries, when there are any: raise a refusal, wait
@@ -245,7 +280,7 @@ class Sender:
     async def send_many(self, bodies: Iterable[bytes | str], *, routing_key: str | None = None,
                         message_id: str | None = None, correlation_id: str | None = None,
                         content_type: str | None = None, durable: bool | None = None,
-                        headers: dict[str, Any] | None = None,
+                        headers: dict[str, Any] | None = None, timestamp: int | None = None,
                         message_ids: Sequence[str] | None = None) -> int:
         """Send one message per body, in order, all with the same routing key and
         properties; returns how many were sent. The same as calling ``send`` for
@@ -255,7 +290,10 @@ class Sender:
         ``message_ids``, one str per body, gives each message its own id
         (instead of ``message_id``, the same for all); the broker still takes
         such transfers as one run. Raises ValueError, sending nothing, when
-        their numbers differ or an id is not a str.
+        their numbers differ or an id is not a str. ``timestamp``
+        (milliseconds since the Unix epoch) is the same for all; with
+        ``message_ids`` it follows each id in the properties, which the
+        broker still takes as one run.
         A refusal of an earlier transfer is raised, and the bodies not yet sent
         then are not sent. A body too large for the connection's frames raises
         ResourceLimitExceeded: the bodies before it are sent, it and those
@@ -265,17 +303,18 @@ class Sender:
         if message_ids is not None:
             bodies, message_ids = _check_ids(bodies, message_ids, message_id)
         if self._interval:  # paced: one at a time is the point
+            props = _properties(message_id, correlation_id, content_type, durable, headers, timestamp) or {}
             n = 0
             ids = iter(message_ids) if message_ids is not None else None
             for body in bodies:
-                await self.send(body, routing_key=routing_key,
-                                message_id=message_id if ids is None else next(ids), correlation_id=correlation_id,
-                                content_type=content_type, durable=durable, headers=headers)
+                # The id first, as the client always writes it (transfer_prefix_around_id).
+                await self.send_with(body, props if ids is None else {"message_id": next(ids), **props},
+                                     routing_key=routing_key)
                 n += 1
             return n
         if self.errors or self.session.error:
             self._raise_errors()
-        props = _properties(message_id, correlation_id, content_type, durable, headers)
+        props = _properties(message_id, correlation_id, content_type, durable, headers, timestamp)
         if message_ids is not None:
             key = self._routing_key if routing_key is None else routing_key
             around = transfer_prefix_around_id(self.session.channel, self._exchange, key, props)

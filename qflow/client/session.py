@@ -153,6 +153,10 @@ class Session:
         refuses with PRECONDITION_FAILED and removes nothing); returns how many went."""
         return (await self._call(P.QUEUE_REMOVE_SEQUENCES, name, incarnation, sequences.to_wire()))["messages"]
 
+    async def list_queues(self) -> list[str]:
+        """The names of the broker's queues (those this user may access)."""
+        return (await self._call(P.QUEUE_LIST))["queues"]
+
     async def purge_queue(self, name: str) -> dict[str, Any]:
         return await self._call(P.QUEUE_PURGE, name)
 

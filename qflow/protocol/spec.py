@@ -60,6 +60,7 @@ QUEUE_MODIFY = 46
 QUEUE_REMOVE_THROUGH = 47
 QUEUE_AVAILABLE = 48
 QUEUE_REMOVE_SEQUENCES = 49
+QUEUE_LIST = 50
 
 ACCEPT_EXPLICIT = 0
 ACCEPT_NONE = 1
@@ -83,7 +84,7 @@ CONNECTION_FORCED = 320
 FRAMING_ERROR = 501
 NORMAL = 200
 
-PROPERTY_KEYS = frozenset({"message_id", "correlation_id", "content_type", "durable", "headers"})
+PROPERTY_KEYS = frozenset({"message_id", "correlation_id", "content_type", "durable", "headers", "timestamp"})
 
 _S, _B, _I, _M, _Y, _L, _N = "str", "bool", "int", "map", "bytes", "list", "str?"
 _CHECK = {
@@ -120,6 +121,7 @@ COMMANDS: dict[int, tuple[str, tuple[tuple[str, str], ...]]] = {
     QUEUE_REMOVE_THROUGH: ("queue.remove-through", (("queue", _S), ("sequence", _I))),
     QUEUE_AVAILABLE: ("queue.available", (("queue", _S), ("after", _I), ("limit", _I))),
     QUEUE_REMOVE_SEQUENCES: ("queue.remove-sequences", (("queue", _S), ("incarnation", _S), ("sequences", _L))),
+    QUEUE_LIST: ("queue.list", ()),
 }
 # Trailing fields a sender may leave out, with their defaults (added in later versions).
 OPTIONAL_FIELDS: dict[int, tuple[Any, ...]] = {SUBSCRIBE: (0,)}
@@ -150,6 +152,10 @@ def check_properties(props: Any) -> dict[str, Any] | None:
         if key == "durable":
             if type(value) is not bool:
                 raise CommandError(INVALID_ARGUMENT, "message.transfer: property 'durable' must be a bool")
+        elif key == "timestamp":
+            if type(value) is not int or not 0 <= value < 1 << 63:
+                raise CommandError(INVALID_ARGUMENT, "message.transfer: property 'timestamp' must be an integer "
+                                                     "(milliseconds since the Unix epoch, 0 or more)")
         elif key == "headers":
             if type(value) is not dict or any(type(k) is not str for k in value):
                 raise CommandError(INVALID_ARGUMENT, "message.transfer: property 'headers' must be a map with string keys")

@@ -5,18 +5,20 @@
     df = spark.read.format("qflow").option("broker", "127.0.0.1:5672").option("queue", "orders").load()
     df.write.format("qflow").option("queue", "copy").mode("append").save()
 
-Reading browses: it delivers copies of a range of sequence numbers and takes
-nothing, so a Spark task that fails and runs again reads the same messages.
-The streaming source's offsets are those sequence numbers; ``commit(end)``
-(which Spark calls once a micro-batch is durable downstream) removes every
-message through ``end`` with ``queue.remove-through``, which releases held
-producers exactly as consuming does. Delivery is at least once.
+Reading browses: it delivers copies of exactly the sequence numbers a batch
+planned and takes nothing, so a Spark task that fails and runs again reads
+the same messages. One source may read several queues (a comma list, or
+``queuePattern``); its streaming offsets are, per queue, the incarnation,
+the sequence planned through and the set a batch reads; ``commit(end)``
+(which Spark calls once a micro-batch is durable downstream) removes exactly
+those with ``queue.remove-sequences``, which releases held producers exactly
+as consuming does. Delivery is at least once.
 
 Writing sends with a capacity window, so broker flow control throttles the
 Spark task, which then simply waits; the task returns only when every
 transfer is complete. Each message gets a deterministic id,
 ``BATCH-PARTITION-ROW``, so a consumer can drop the duplicates a retried task
-sends.
+sends, and a ``timestamp`` property.
 
 Everything held by the classes here pickles: a task opens its own connection
 inside ``read``/``write`` (a short ``trio.run`` per call) and closes it before
@@ -25,10 +27,12 @@ returning.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-import queue
+import queue as _queue
+import re
 import threading
 import time
 import uuid
@@ -46,7 +50,20 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
-from pyspark.sql.types import BinaryType, MapType, StringType, StructType
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    MapType,
+    ShortType,
+    StringType,
+    StructType,
+    TimestampType,
+)
 
 import qflow
 from qflow.client.message import arrow_columns
@@ -67,15 +84,20 @@ except ImportError:  # pragma: no cover - pyspark 4.0/4.1
 log = logging.getLogger("qflow.spark")
 
 FORMAT = "qflow"
+# A header's value, typed: exactly one field is set (all null for a null value).
+# Lists and maps (msgpack allows them) come as JSON text in ``json``.
+HEADER_VALUE = "struct<`string`:string,`long`:bigint,`double`:double,`boolean`:boolean,`binary`:binary,`json`:string>"
+HEADER_FIELDS = ("string", "long", "double", "boolean", "binary", "json")
 SCHEMA = ("body binary, routing_key string, exchange string, message_id string, correlation_id string, "
-          "content_type string, headers map<string,string>, sequence long, redelivered boolean")
+          f"content_type string, headers map<string,{HEADER_VALUE}>, sequence long, redelivered boolean, "
+          "queue string, timestamp timestamp")
 COLUMNS = ("body", "routing_key", "exchange", "message_id", "correlation_id", "content_type", "headers",
-           "sequence", "redelivered")
+           "sequence", "redelivered", "queue", "timestamp")
 
-# Columns a written DataFrame may carry: the first five set the message; the
-# rest are ignored, so that what was read can be written back unchanged.
-WRITE_COLUMNS = ("body", "routing_key", "message_id", "correlation_id", "content_type", "headers")
-IGNORED_WRITE_COLUMNS = ("exchange", "sequence", "redelivered")
+# Columns a written DataFrame may carry: these set the message; the rest are
+# ignored, so that what was read can be written back unchanged.
+WRITE_COLUMNS = ("body", "routing_key", "message_id", "correlation_id", "content_type", "headers", "timestamp")
+IGNORED_WRITE_COLUMNS = ("exchange", "sequence", "redelivered", "queue")
 
 DEFAULT_BROKER = "127.0.0.1:5672"
 DEFAULT_CAPACITY = 1000
@@ -110,7 +132,8 @@ def _lower(options: Mapping[str, str], known: frozenset[str]) -> dict[str, str]:
 _SPARK_OPTIONS = frozenset({"path", "paths", "checkpointlocation", "queryname"})
 _ENDPOINT_OPTIONS = frozenset({"broker", "connecttimeout", "username", "password", "ssl", "sslcafile",
                                "sslcertfile", "sslkeyfile"})
-READ_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "numpartitions", "maxmessagespertrigger", "startingoffsets",
+READ_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "queuepattern", "numpartitions", "maxmessagespertrigger",
+                                    "startingoffsets",
                                     "endingoffsets", "failondataloss", "consume"}
 WRITE_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "exchange", "routingkey", "capacity", "sendtimeout", "writeid",
                                      "durable"}
@@ -247,33 +270,129 @@ def _sequence(text: str, name: str, words: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise QflowOptionError(f"qflow option '{name}' must be {words} or a sequence number, not {text!r}") from None
+        raise QflowOptionError(f"qflow option '{name}' must be {words} or a sequence number (or, per queue, a "
+                               f"JSON object), not {text!r}") from None
     if value < 1:
         raise QflowOptionError(f"qflow option '{name}': sequence numbers start at 1, not {value}")
     return value
 
 
+# Kafka's per-partition JSON offsets: -2 is earliest, -1 latest.
+_KAFKA_WORDS = {-2: "earliest", -1: "latest"}
+
+
+def _per_queue(text: str, name: str, allowed: tuple[str, ...]) -> dict[str, str | int]:
+    """``{"q1": 17, "q2": "earliest", "q3": -1}``: a JSON object of queue name
+    to a sequence number or one of ``allowed`` (as a word, or Kafka's -2/-1)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise QflowOptionError(f"qflow option '{name}' is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict) or not value:
+        raise QflowOptionError(f"qflow option '{name}': a JSON object of queue name to offset, not {text!r}")
+    words = " or ".join(allowed)
+    out: dict[str, str | int] = {}
+    for queue_name, v in value.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v in _KAFKA_WORDS:
+            v = _KAFKA_WORDS[v]
+        if isinstance(v, str) and v.strip().lower() in allowed:
+            out[queue_name] = v.strip().lower()
+        elif isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            out[queue_name] = v
+        else:
+            kafka = ", ".join(f"{k} ({w})" for k, w in _KAFKA_WORDS.items() if w in allowed)
+            raise QflowOptionError(f"qflow option '{name}': queue {queue_name!r} has {v!r}; give a sequence number "
+                                   f"(1 or more), {words}" + (f", or {kafka}" if kafka else ""))
+    return out
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     endpoint: Endpoint
-    queue: str
+    queues: tuple[str, ...]  # the queues named by option 'queue' (empty with a pattern)
+    pattern: str | None  # option 'queuePattern': a regular expression the whole queue name matches
     num_partitions: int | None
     max_per_trigger: int | None
-    starting: str | int  # "earliest", "latest", or the first sequence number to read
-    ending: int | None  # batch reads: read sequence numbers below this one (None: all there at planning)
+    # "earliest", "latest", or the first sequence number to read; or those per queue
+    starting: str | int | dict[str, str | int]
+    # batch reads: read sequence numbers below this one (None: all there at planning); or per queue
+    ending: int | None | dict[str, str | int]
     fail_on_data_loss: bool
+
+    @property
+    def queue(self) -> str:
+        """What the read is of, for messages: the queue list or the pattern."""
+        return ",".join(self.queues) if self.queues else f"/{self.pattern}/"
+
+    def matches(self, name: str) -> bool:
+        if self.queues:
+            return name in self.queues
+        return re.fullmatch(self.pattern or "", name) is not None
+
+    def starting_for(self, queue: str) -> str | int:
+        """Where reading ``queue`` starts when its offsets have none: a queue a
+        pattern finds later starts at its earliest message, as Kafka's new partitions do."""
+        if isinstance(self.starting, dict):
+            return self.starting.get(queue, "earliest")
+        return self.starting
+
+    def ending_for(self, queue: str) -> int | None:
+        if isinstance(self.ending, dict):
+            value = self.ending.get(queue, "latest")
+            return None if value == "latest" else int(value)
+        return self.ending
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
         opts = _lower(options, READ_OPTIONS)
-        queue = opts.get("queue", "").strip()
-        if not queue:
-            raise QflowOptionError("qflow: reading needs option 'queue' (the queue to read)")
-        starting: str | int = opts.get("startingoffsets", "earliest").strip().lower()
-        if starting not in ("earliest", "latest"):
+        queues: tuple[str, ...] = ()
+        if opts.get("queue", "").strip():
+            names = [q.strip() for q in opts["queue"].split(",")]
+            if not all(names) or len(set(names)) != len(names):
+                raise QflowOptionError(f"qflow option 'queue' {opts['queue']!r}: give a queue name or a comma "
+                                       f"list of them, each once, none empty")
+            queues = tuple(names)
+        pattern = opts.get("queuepattern")
+        if pattern is not None:
+            if queues:
+                raise QflowOptionError("qflow: give either option 'queue' or option 'queuePattern', not both")
+            if not pattern.strip():
+                raise QflowOptionError("qflow option 'queuePattern' is empty")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise QflowOptionError(f"qflow option 'queuePattern' {pattern!r} is not a regular "
+                                       f"expression: {exc}") from None
+        elif not queues:
+            raise QflowOptionError("qflow: reading needs option 'queue' (the queue to read, or a comma list) "
+                                   "or 'queuePattern' (a regular expression of queue names)")
+        several = len(queues) != 1
+        starting: str | int | dict[str, str | int] = opts.get("startingoffsets", "earliest").strip()
+        if starting.startswith("{"):
+            starting = _per_queue(starting, "startingOffsets", ("earliest", "latest"))
+        elif starting.lower() in ("earliest", "latest"):
+            starting = starting.lower()
+        else:
             starting = _sequence(starting, "startingOffsets", "earliest, latest")
-        ending: str | int | None = opts.get("endingoffsets", "latest").strip().lower()
-        ending = None if ending == "latest" else _sequence(ending, "endingOffsets", "latest")
+        ending: str | int | None | dict[str, str | int] = opts.get("endingoffsets", "latest").strip()
+        if ending.startswith("{"):
+            ending = _per_queue(ending, "endingOffsets", ("latest",))
+        elif ending.lower() == "latest":
+            ending = None
+        else:
+            ending = _sequence(ending, "endingOffsets", "latest")
+        for name, value in (("startingOffsets", starting), ("endingOffsets", ending)):
+            if several and isinstance(value, int):
+                raise QflowOptionError(f"qflow option '{name}': a sequence number is of one queue; with several "
+                                       f"queues or a pattern give a JSON object, e.g. {{\"orders\": 17}}")
+            if isinstance(value, dict):
+                for queue in value:
+                    if queues and queue not in queues:
+                        raise QflowOptionError(f"qflow option '{name}' names queue {queue!r}, which is not "
+                                               f"among the queues read ({', '.join(queues)})")
+                    if pattern is not None and re.fullmatch(pattern, queue) is None:
+                        raise QflowOptionError(f"qflow option '{name}' names queue {queue!r}, which "
+                                               f"queuePattern {pattern!r} does not match")
         if _bool(opts, "consume", "consume", False):
             raise QflowOptionError(
                 "qflow option 'consume' is not supported: Spark's batch reader has no commit, so a job that failed "
@@ -281,7 +400,8 @@ class ReadOptions:
                 "trigger(availableNow=True) instead: each micro-batch is removed once Spark has committed it")
         return cls(
             endpoint=Endpoint.parse(opts),
-            queue=queue,
+            queues=queues,
+            pattern=pattern,
             num_partitions=_int(opts, "numpartitions", "numPartitions", None, 1),
             max_per_trigger=_int(opts, "maxmessagespertrigger", "maxMessagesPerTrigger", None, 1),
             starting=starting,
@@ -352,9 +472,23 @@ def _check_write_schema(schema: StructType) -> None:
                                    f"{by_name[name].dataType.simpleString()}")
     if "headers" in by_name:
         t = by_name["headers"].dataType
-        if not (isinstance(t, MapType) and isinstance(t.keyType, StringType)):
-            raise QflowOptionError(f"qflow: column 'headers' must be a map with string keys, "
-                                   f"not {t.simpleString()}")
+        if not (isinstance(t, MapType) and isinstance(t.keyType, StringType) and _header_type_ok(t.valueType)):
+            raise QflowOptionError(f"qflow: column 'headers' must be a map with string keys and values of one "
+                                   f"type (string, an integer type, float, double, boolean or binary) or the "
+                                   f"typed struct qflow reads ({HEADER_VALUE}), not {t.simpleString()}")
+    if "timestamp" in by_name and not isinstance(by_name["timestamp"].dataType, (TimestampType, LongType)):
+        raise QflowOptionError(f"qflow: column 'timestamp' must be a timestamp (or a long: milliseconds since "
+                               f"the epoch), not {by_name['timestamp'].dataType.simpleString()}")
+
+
+_HEADER_PRIMITIVES = (StringType, ByteType, ShortType, IntegerType, LongType, FloatType, DoubleType, BooleanType,
+                      BinaryType)
+
+
+def _header_type_ok(t: Any) -> bool:
+    if isinstance(t, _HEADER_PRIMITIVES):
+        return True
+    return isinstance(t, StructType) and {f.name for f in t.fields} <= set(HEADER_FIELDS) and bool(t.fields)
 
 
 def _run(fn: Any, *args: Any) -> Any:
@@ -421,9 +555,9 @@ def describe(sequences: RangeSet) -> str:
     return ", ".join(parts)
 
 
-def data_loss(opts: ReadOptions, what: str) -> None:
+def data_loss(opts: ReadOptions, queue: str, what: str) -> None:
     """Fail the read (failOnDataLoss=true, the default) or log the loss and go on."""
-    text = f"qflow: data loss on queue {opts.queue!r}: {what}"
+    text = f"qflow: data loss on queue {queue!r}: {what}"
     if opts.fail_on_data_loss:
         raise QflowDataLossError(text + ". Set option failOnDataLoss=false to log such losses and go on.")
     log.warning("%s; going on (failOnDataLoss=false)", text)
@@ -432,13 +566,14 @@ def data_loss(opts: ReadOptions, what: str) -> None:
 class SequenceSet(InputPartition):
     """Exactly these sequence numbers (a flat range list) of one incarnation of a queue."""
 
-    def __init__(self, index: int, incarnation: str, sequences: list[int]) -> None:
+    def __init__(self, index: int, incarnation: str, sequences: list[int], queue: str = "") -> None:
         self.index = index
         self.incarnation = incarnation
         self.sequences = sequences
+        self.queue = queue
 
     def __repr__(self) -> str:
-        return f"SequenceSet({self.index}, {describe(RangeSet.from_wire(self.sequences))})"
+        return f"SequenceSet({self.index}, {self.queue!r}, {describe(RangeSet.from_wire(self.sequences))})"
 
 
 def split_sequences(sequences: RangeSet, parts: int | None, per_part: int = MESSAGES_PER_PARTITION) -> list[RangeSet]:
@@ -482,12 +617,13 @@ class _Columns:
     """One Arrow batch's worth of messages, as the Arrow arrays
     qflow.client.message.arrow_columns makes of each fetch."""
 
-    __slots__ = ("chunks", "nbytes", "rows")
+    __slots__ = ("chunks", "nbytes", "queue", "rows")
 
-    def __init__(self) -> None:
+    def __init__(self, queue: str) -> None:
         self.chunks: list[tuple] = []
         self.nbytes = 0
         self.rows = 0
+        self.queue = queue
 
     def __len__(self) -> int:
         return self.rows
@@ -507,15 +643,12 @@ class _Columns:
         which = range(len(COLUMNS)) if indices is None else indices
         columns = []
         for i in which:
+            if i == QUEUE_COLUMN:  # one value for the whole batch: the queue it was read from
+                columns.append(pa.repeat(pa.scalar(self.queue, types[i]), self.rows))
+                continue
             parts = [_column(i, chunk, types[i]) for chunk in self.chunks]
             columns.append(parts[0] if len(parts) == 1 else pa.concat_arrays(parts))
         return pa.RecordBatch.from_arrays(columns, names=[COLUMNS[i] for i in which])
-
-
-# Where each column comes from: a message's own array (body, sequence, redelivered), or its head.
-_FROM_HEAD = {1: lambda h: h[1], 2: lambda h: h[0], 3: lambda h: h[2].get("message_id"),
-              4: lambda h: h[2].get("correlation_id"), 5: lambda h: h[2].get("content_type"),
-              6: lambda h: _headers(h[2].get("headers"))}
 
 
 def _column(i: int, chunk: tuple, type_: Any) -> Any:
@@ -535,17 +668,70 @@ def _column(i: int, chunk: tuple, type_: Any) -> Any:
     return pa.repeat(values[0], len(index)) if values[0].is_valid else pa.nulls(len(index), type_)
 
 
-def _headers(headers: dict | None) -> dict[str, str | None] | None:
+def _timestamp(props: dict) -> int | None:
+    """The message's time in milliseconds: its ``timestamp`` property, else
+    the ``ts`` header qflow-send --timestamp yes (as qpid-send) puts in,
+    nanoseconds since the epoch."""
+    stamp = props.get("timestamp")
+    if stamp is None:
+        headers = props.get("headers")
+        ts = headers.get("ts") if headers else None
+        if type(ts) is int and ts >= 0:
+            return ts // 1_000_000
+    return stamp
+
+
+QUEUE_COLUMN = COLUMNS.index("queue")
+TIMESTAMP_COLUMN = COLUMNS.index("timestamp")
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def _timestamp_us(props: dict) -> int | None:
+    """The message's time as Spark's timestamp column holds it (microseconds, UTC)."""
+    ms = _timestamp(props)
+    return None if ms is None else ms * 1000
+
+
+# Where each column comes from: a message's own array (body, sequence, redelivered), the
+# queue read (_Columns.batch), or the message's head: (exchange, routing key, properties).
+_FROM_HEAD = {1: lambda h: h[1], 2: lambda h: h[0], 3: lambda h: h[2].get("message_id"),
+              4: lambda h: h[2].get("correlation_id"), 5: lambda h: h[2].get("content_type"),
+              6: lambda h: _typed_headers(h[2].get("headers")), TIMESTAMP_COLUMN: lambda h: _timestamp_us(h[2])}
+
+
+def header_value(value: Any) -> dict[str, Any] | None:
+    """A header's value as the ``headers`` column's struct: the field named by
+    its type is set. None stays null; lists and maps, and integers beyond
+    64 bits, are JSON text."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return {"boolean": value}
+    if isinstance(value, int):
+        return {"long": value} if value in _INT64 else {"json": str(value)}
+    if isinstance(value, float):
+        return {"double": value}
+    if isinstance(value, str):
+        return {"string": value}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"binary": bytes(value)}
+    return {"json": json.dumps(value, default=lambda v: bytes(v).hex() if isinstance(v, (bytes, bytearray))
+                               else str(v))}
+
+
+def _typed_headers(headers: dict | None) -> list[tuple[str, dict[str, Any] | None]] | None:
     if not headers:
         return None
-    return {str(k): (v if v is None or isinstance(v, str) else str(v)) for k, v in headers.items()}
+    return [(str(k), header_value(v)) for k, v in headers.items()]
 
 
 def _arrow_types() -> tuple:
     import pyarrow as pa
 
     s = pa.string()
-    return (pa.binary(), s, s, s, s, s, pa.map_(s, s), pa.int64(), pa.bool_())
+    value = pa.struct([("string", s), ("long", pa.int64()), ("double", pa.float64()), ("boolean", pa.bool_()),
+                       ("binary", pa.binary()), ("json", s)])
+    return (pa.binary(), s, s, s, s, s, pa.map_(s, value), pa.int64(), pa.bool_(), s, pa.timestamp("us", tz="UTC"))
 
 
 def _minus(a: RangeSet, b: RangeSet) -> RangeSet:
@@ -574,12 +760,12 @@ def _intersect(a: RangeSet, b: RangeSet) -> RangeSet:
     return _minus(a, _minus(a, b))
 
 
-async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str, wanted: RangeSet,
+async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, queue: str, incarnation: str, wanted: RangeSet,
                          emit: Any) -> RangeSet:
-    """Browse exactly the messages numbered in ``wanted`` of ``incarnation``,
-    handing them to ``emit`` in batches. Returns the wanted numbers that are gone."""
+    """Browse exactly the messages numbered in ``wanted`` of ``incarnation`` of
+    ``queue``, handing them to ``emit`` in batches. Returns the wanted numbers that are gone."""
     with trio.fail_after(opts.endpoint.connect_timeout):
-        head = await ssn.available(opts.queue, 0, 0)
+        head = await ssn.available(queue, 0, 0)
     if head["incarnation"] != incarnation:
         return wanted
     pending = wanted
@@ -590,14 +776,14 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
         n = len(ranges)
         start, last = ranges[0][0], ranges[-1][1]
         with trio.fail_after(opts.endpoint.connect_timeout):
-            receiver = await ssn.receiver(opts.queue, browse=True, start_sequence=start,
+            receiver = await ssn.receiver(queue, browse=True, start_sequence=start,
                                           capacity=max(1, min(len(pending), READ_CAPACITY)))
         # A cursor over the wanted numbers: the browser delivers in sequence
         # order, so each message is compared with the next wanted number only.
         ri = 0
         nxt, hi = ranges[0]
         skipped = RangeSet()  # wanted numbers the browser went past: gone, or held by another consumer
-        cols = _Columns()
+        cols = _Columns(queue)
         while ri < n:
             try:
                 delivered = await receiver.fetch_many(timeout=POLL)
@@ -614,7 +800,7 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
                         nxt, hi = ranges[ri]
                 if len(cols) >= rows or cols.nbytes >= BATCH_BYTES:
                     await emit(cols)
-                    cols = _Columns()
+                    cols = _Columns(queue)
                     rows = min(4 * rows, BATCH_ROWS)
                 continue
             taken: list[qflow.ReceivedMessage] = []
@@ -644,7 +830,7 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
             cols.add(taken)
             if len(cols) >= rows or cols.nbytes >= BATCH_BYTES:
                 await emit(cols)
-                cols = _Columns()
+                cols = _Columns(queue)
                 rows = min(4 * rows, BATCH_ROWS)
         if len(cols):
             await emit(cols)
@@ -660,7 +846,7 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
         # while the browser passed and has since released is behind the
         # browser's cursor: browse again from the first such one. The others are gone.
         with trio.fail_after(opts.endpoint.connect_timeout):
-            now = await ssn.available(opts.queue, start - 1, last - start + 1)
+            now = await ssn.available(queue, start - 1, last - start + 1)
         if now["incarnation"] != incarnation:
             gone.update(skipped)
             break
@@ -669,8 +855,8 @@ async def _browse_wanted(opts: ReadOptions, ssn: qflow.Session, incarnation: str
     return gone
 
 
-async def _read_task(opts: ReadOptions, incarnation: str, sequences: RangeSet, indices: list[int] | None,
-                     put: Any) -> None:
+async def _read_task(opts: ReadOptions, queue: str, incarnation: str, sequences: RangeSet,
+                     indices: list[int] | None, put: Any) -> None:
     """A reading task's one connection: every message numbered in ``sequences``,
     as Arrow batches handed to ``put`` (blocking, in a thread: memory stays
     bounded by what Spark has not taken yet)."""
@@ -682,29 +868,29 @@ async def _read_task(opts: ReadOptions, incarnation: str, sequences: RangeSet, i
         with trio.fail_after(opts.endpoint.connect_timeout):
             ssn = await conn.session()
         try:
-            gone = await _browse_wanted(opts, ssn, incarnation, sequences, emit)
+            gone = await _browse_wanted(opts, ssn, queue, incarnation, sequences, emit)
         except qflow.NotFound:  # the queue was deleted under the read
             gone = sequences
     finally:
         await conn.close()
     if gone:
-        data_loss(opts, f"sequences {describe(gone)}, planned for this read, are no longer in the queue "
-                        f"(overwritten by a ring queue, removed or taken by another consumer, or the queue was "
-                        f"deleted: incarnation {incarnation})")
+        data_loss(opts, queue, f"sequences {describe(gone)}, planned for this read, are no longer in the queue "
+                               f"(overwritten by a ring queue, removed or taken by another consumer, or the "
+                               f"queue was deleted: incarnation {incarnation})")
 
 
 _DONE = object()
 
 
-def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
+def read_sequences(opts: ReadOptions, queue_name: str, incarnation: str, sequences: RangeSet,
                    indices: list[int] | None = None) -> Iterator[Any]:
-    """Every message numbered in ``sequences`` (of ``incarnation``), as Arrow
-    record batches. One connection for the whole task, run by a thread of its
-    own: at most two batches wait for Spark to take them. A planned message
-    that is gone is data loss (failOnDataLoss)."""
+    """Every message numbered in ``sequences`` (of ``incarnation`` of queue
+    ``queue_name``), as Arrow record batches. One connection for the whole
+    task, run by a thread of its own: at most two batches wait for Spark to
+    take them. A planned message that is gone is data loss (failOnDataLoss)."""
     if not sequences:
         return
-    handoff: queue.Queue = queue.Queue(maxsize=2)
+    handoff: _queue.Queue = _queue.Queue(maxsize=2)
     stop = threading.Event()
 
     def put(item: Any) -> None:
@@ -712,13 +898,14 @@ def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
             try:
                 handoff.put(item, timeout=0.5)
                 return
-            except queue.Full:
+            except _queue.Full:
                 continue
         raise _Stopped()
 
     def run() -> None:
         try:
-            _profiled(f"read-{opts.queue}", trio.run, _read_task, opts, incarnation, sequences, indices, put)
+            _profiled(f"read-{queue_name}", trio.run, _read_task, opts, queue_name, incarnation, sequences, indices,
+                      put)
             result: Any = _DONE
         except _Stopped:
             return
@@ -728,10 +915,10 @@ def read_sequences(opts: ReadOptions, incarnation: str, sequences: RangeSet,
             try:
                 handoff.put(result, timeout=0.5)
                 return
-            except queue.Full:
+            except _queue.Full:
                 continue
 
-    thread = threading.Thread(target=run, name=f"qflow-read-{opts.queue}", daemon=True)
+    thread = threading.Thread(target=run, name=f"qflow-read-{queue_name}", daemon=True)
     thread.start()
     try:
         while True:
@@ -782,27 +969,49 @@ def _indices(schema: StructType) -> list[int] | None:
     return [COLUMNS.index(n) for n in names]
 
 
-async def _available(endpoint: Endpoint, queue: str, after: int, limit: int) -> dict[str, Any]:
+async def _on_session(endpoint: Endpoint, fn: Any, *args: Any) -> Any:
     conn = await endpoint.connect()
     try:
         with trio.fail_after(endpoint.connect_timeout):
             ssn = await conn.session()
-            return await ssn.available(queue, after, limit)
+        return await fn(endpoint, ssn, *args)
     finally:
         await conn.close()
 
 
+async def _available_many(endpoint: Endpoint, ssn: qflow.Session, asks: list[tuple[str, int, int]]) -> list[dict]:
+    out = []
+    for queue, after, limit in asks:
+        try:
+            with trio.fail_after(endpoint.connect_timeout):
+                out.append(await ssn.available(queue, after, limit))
+        except qflow.NotFound:
+            raise QflowOptionError(f"qflow: queue {queue!r} does not exist on the broker at "
+                                   f"{endpoint.host}:{endpoint.port} (declare it first)") from None
+    return out
+
+
 def available(endpoint: Endpoint, queue: str, after: int, limit: int) -> dict[str, Any]:
     """The broker's ``queue.available``: which messages a read may plan."""
-    try:
-        return _run(_available, endpoint, queue, after, limit)
-    except qflow.NotFound:
-        raise QflowOptionError(f"qflow: queue {queue!r} does not exist on the broker at "
-                               f"{endpoint.host}:{endpoint.port} (declare it first)") from None
+    return _run(_on_session, endpoint, _available_many, [(queue, after, limit)])[0]
 
 
-def _partitions(opts: ReadOptions, incarnation: str, sequences: RangeSet) -> list[SequenceSet]:
-    return [SequenceSet(i, incarnation, part.to_wire())
+async def _list_queues(endpoint: Endpoint, ssn: qflow.Session) -> list[str]:
+    with trio.fail_after(endpoint.connect_timeout):
+        return await ssn.list_queues()
+
+
+def resolve_queues(opts: ReadOptions) -> list[str]:
+    """The queues a read is of now: the ``queue`` list, or the broker's queues
+    whose whole name ``queuePattern`` matches (in name order)."""
+    if opts.queues:
+        return list(opts.queues)
+    return sorted(q for q in _run(_on_session, opts.endpoint, _list_queues) if opts.matches(q))
+
+
+def _partitions(opts: ReadOptions, queue: str, incarnation: str, sequences: RangeSet,
+                first_index: int = 0) -> list[SequenceSet]:
+    return [SequenceSet(first_index + i, incarnation, part.to_wire(), queue)
             for i, part in enumerate(split_sequences(sequences, opts.num_partitions))]
 
 
@@ -815,55 +1024,83 @@ class QflowBatchReader(DataSourceReader):
 
     def partitions(self) -> list[SequenceSet]:
         opts = self.opts
-        after = opts.starting - 1 if isinstance(opts.starting, int) else 0
-        a = available(opts.endpoint, opts.queue, after, -1)
-        sequences = a["sequences"]
-        if opts.ending is not None:
-            sequences = RangeSet((f, min(b, opts.ending - 1)) for f, b in sequences.ranges() if f < opts.ending)
-        return _partitions(opts, a["incarnation"], sequences) or [SequenceSet(0, a["incarnation"], [])]
+        queues = resolve_queues(opts)
+        asks = []
+        for q in queues:
+            starting = opts.starting_for(q)
+            if starting == "latest":
+                raise QflowOptionError(f"qflow option 'startingOffsets' cannot be latest for a batch read (it "
+                                       f"would read nothing of queue {q!r}); use earliest or a sequence number")
+            asks.append((q, starting - 1 if isinstance(starting, int) else 0, -1))
+        out: list[SequenceSet] = []
+        for q, a in zip(queues, _run(_on_session, opts.endpoint, _available_many, asks), strict=True):
+            sequences = a["sequences"]
+            ending = opts.ending_for(q)
+            if ending is not None:
+                sequences = RangeSet((f, min(b, ending - 1)) for f, b in sequences.ranges() if f < ending)
+            out += _partitions(opts, q, a["incarnation"], sequences, len(out))
+        return out or [SequenceSet(0, "", [], "")]
 
     def read(self, partition: SequenceSet) -> Iterator[tuple]:
-        yield from read_sequences(self.opts, partition.incarnation, RangeSet.from_wire(partition.sequences),
-                                  self.indices)
+        yield from read_sequences(self.opts, partition.queue, partition.incarnation,
+                                  RangeSet.from_wire(partition.sequences), self.indices)
 
 
 def offset(incarnation: str, sequence: int, read: RangeSet | None = None) -> dict:
-    """A streaming offset: every message of ``incarnation`` numbered through
-    ``sequence`` has been planned; ``read`` is exactly what the batch that ends
-    here reads (and what its commit removes)."""
+    """One queue's part of a streaming offset: every message of ``incarnation``
+    numbered through ``sequence`` has been planned; ``read`` is exactly what
+    the batch that ends here reads of it (and what its commit removes)."""
     return {"incarnation": incarnation, "sequence": sequence, "read": read.to_wire() if read else []}
 
 
+def _shares(total: int, n: int) -> list[int]:
+    """``total`` split over ``n`` queues as evenly as can be."""
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
 class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Offsets are :func:`offset` dicts. A batch reads exactly the numbers in
-    its end offset's ``read``; commit removes exactly those."""
+    """Offsets are ``{queue: offset(...)}``. A batch reads exactly the numbers
+    in each queue's ``read``; commit removes exactly those."""
 
     def __init__(self, opts: ReadOptions, schema: StructType) -> None:
         self.opts = opts
         self.indices = _indices(schema)
-        self._target: int | None = None  # Trigger.AvailableNow: the last sequence to read
+        self._target: dict[str, int] | None = None  # Trigger.AvailableNow: the last sequence to read, per queue
         self._last: dict | None = None  # for pyspark < 4.2, which passes no start
         self._initial: dict | None = None
-        self._latest: dict | None = None  # the queue as the last plan saw it, for Spark's progress reports
+        self._latest: dict[str, dict] = {}  # each queue as the last plan saw it, for Spark's progress reports
+
+    def _offsets(self, value: dict) -> dict[str, dict]:
+        """An offset as {queue: part}; a one-queue offset of an earlier
+        version (one part, no queue names) is the ``queue`` option's."""
+        if "sequence" in value and isinstance(value.get("sequence"), int):
+            return {self.opts.queues[0] if self.opts.queues else "": value}
+        return value
+
+    def _starting_part(self, queue: str, a: dict) -> dict:
+        starting = self.opts.starting_for(queue)
+        if starting == "latest":
+            through = a["lastSequence"]
+        elif starting == "earliest":
+            through = a["firstSequence"] - 1
+        else:  # a sequence number: the first to read
+            through = int(starting) - 1
+        return offset(a["incarnation"], through)
 
     def initialOffset(self) -> dict:
         # Spark may ask again until the first batch is planned: "latest" must
         # stay the point the query started at, or messages sent in between
         # would be skipped.
         if self._initial is None:
-            a = available(self.opts.endpoint, self.opts.queue, 0, 0)
-            starting = self.opts.starting
-            if starting == "latest":
-                through = a["lastSequence"]
-            elif starting == "earliest":
-                through = a["firstSequence"] - 1
-            else:  # a sequence number: the first to read
-                through = int(starting) - 1
-            self._initial = offset(a["incarnation"], through)
+            queues = resolve_queues(self.opts)
+            heads = _run(_on_session, self.opts.endpoint, _available_many, [(q, 0, 0) for q in queues])
+            self._initial = {q: self._starting_part(q, a) for q, a in zip(queues, heads, strict=True)}
         return self._initial
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = available(self.opts.endpoint, self.opts.queue, 0, 0)["lastSequence"]
+        queues = resolve_queues(self.opts)
+        heads = _run(_on_session, self.opts.endpoint, _available_many, [(q, 0, 0) for q in queues])
+        self._target = {q: a["lastSequence"] for q, a in zip(queues, heads, strict=True)}
 
     def getDefaultReadLimit(self) -> Any:
         if self.opts.max_per_trigger and ReadMaxRows is not None:
@@ -882,22 +1119,75 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def plan(self, start: dict, max_rows: int | None) -> dict:
         """The next batch's end offset after ``start``: the first ``max_rows``
-        (or all) available messages, up to the AvailableNow target."""
+        (or all) available messages of each queue (``max_rows`` shared among
+        the queues), up to the AvailableNow target."""
+        return _run(_on_session, self.opts.endpoint, self._plan, self._offsets(start), max_rows)
+
+    async def _plan(self, endpoint: Endpoint, ssn: qflow.Session, start: dict[str, dict],
+                    max_rows: int | None) -> dict:
+        opts = self.opts
+        if opts.queues:
+            queues = list(opts.queues)
+        else:
+            with trio.fail_after(endpoint.connect_timeout):
+                queues = sorted(q for q in await ssn.list_queues() if opts.matches(q))
+            for gone in sorted(set(start) - set(queues)):
+                # A pattern's queue that was deleted: its unread messages (if
+                # any) went with it; it is dropped from the offsets.
+                log.warning("qflow: queue %r (matched by queuePattern %r) is gone; no longer read", gone,
+                            opts.pattern)
+        parts = {q: start[q] for q in queues if q in start}
+        new = [q for q in queues if q not in start]
+        if new:  # a queue the pattern found since the last batch: it starts as startingOffsets says
+            heads = await _available_many(endpoint, ssn, [(q, 0, 0) for q in new])
+            parts.update((q, self._starting_part(q, h)) for q, h in zip(new, heads, strict=True))
+        asks = [(q, int(parts[q]["sequence"]), -1) for q in queues]
+        if max_rows is None:
+            found = await _available_many(endpoint, ssn, asks)
+        else:
+            # Admission control over several queues: each queue gets an even
+            # share; what a queue leaves unused goes to the others.
+            found = await _available_many(endpoint, ssn, [(q, after, share) for (q, after, _), share in
+                                                          zip(asks, _shares(max_rows, len(asks)), strict=True)])
+            left = max_rows - sum(len(a["sequences"]) for a in found)
+            for (q, _, _), a in zip(asks, found, strict=True):
+                if left <= 0:
+                    break
+                if not a["sequences"]:
+                    continue
+                last = max(b for _, b in a["sequences"].ranges())
+                if last >= a["lastSequence"]:
+                    continue
+                more = (await _available_many(endpoint, ssn, [(q, last, left)]))[0]
+                if more["incarnation"] == a["incarnation"]:
+                    a["sequences"].update(more["sequences"])
+                    left -= len(more["sequences"])
+        end: dict[str, dict] = {}
+        self._latest = {}
+        for (q, _, _), a in zip(asks, found, strict=True):
+            end[q] = await self._plan_queue(endpoint, ssn, q, parts[q], a, max_rows)
+            self._latest[q] = {"incarnation": a["incarnation"], "sequence": a["lastSequence"]}
+        if end == start:
+            return start
+        return end
+
+    async def _plan_queue(self, endpoint: Endpoint, ssn: qflow.Session, queue: str, start: dict, a: dict,
+                          max_rows: int | None) -> dict:
         opts = self.opts
         after = int(start["sequence"])
         incarnation = start.get("incarnation")
-        a = available(opts.endpoint, opts.queue, after, -1 if max_rows is None else max_rows)
         if incarnation is not None and a["incarnation"] != incarnation:
-            data_loss(opts, f"the queue is not the one the query's offsets are of (incarnation {incarnation}, "
-                            f"read through sequence {after}): it was deleted and declared again, or the broker "
-                            f"restarted (incarnation {a['incarnation']} now); messages of the old queue that the "
-                            f"query had not read are lost")
+            data_loss(opts, queue, f"the queue is not the one the query's offsets are of (incarnation "
+                                   f"{incarnation}, read through sequence {after}): it was deleted and declared "
+                                   f"again, or the broker restarted (incarnation {a['incarnation']} now); messages "
+                                   f"of the old queue that the query had not read are lost")
             after = 0  # going on: read the new queue from its first message
-            a = available(opts.endpoint, opts.queue, after, -1 if max_rows is None else max_rows)
+            limit = -1 if max_rows is None else max(1, len(a["sequences"]))
+            a = (await _available_many(endpoint, ssn, [(queue, after, limit)]))[0]
         sequences = a["sequences"]
-        self._latest = {"incarnation": a["incarnation"], "sequence": a["lastSequence"]}
-        limit_to = a["lastSequence"] if self._target is None else min(a["lastSequence"], self._target)
-        if self._target is not None and sequences and max(b for _, b in sequences.ranges()) > limit_to:
+        target = None if self._target is None else self._target.get(queue, after)
+        limit_to = a["lastSequence"] if target is None else min(a["lastSequence"], target)
+        if target is not None and sequences and max(b for _, b in sequences.ranges()) > limit_to:
             sequences = RangeSet(r for r in ((f, min(b, limit_to)) for f, b in sequences.ranges()) if r[0] <= r[1])
         if sequences:
             through = max(b for _, b in sequences.ranges())
@@ -907,58 +1197,67 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             through = max(limit_to, after)
         missing = RangeSet()
         if through > after:
-            missing = RangeSet([(after + 1, through)])
-            missing = _minus(missing, sequences)
+            missing = _minus(RangeSet([(after + 1, through)]), sequences)
         if missing:
-            data_loss(opts, f"sequences {describe(missing)} after the query's offset {after} are not in the "
-                            f"queue (overwritten by a ring queue, or removed or taken by another consumer)")
-        if not sequences and through == after and start.get("read"):
-            # Nothing new, but the batch that ended at ``start`` still holds its
-            # messages: Spark commits a batch only when it plans the next one,
-            # so plan an empty one. Its producers may be held by exactly those
-            # messages; without this the query would wait for them forever.
-            return offset(a["incarnation"], through)
-        if not sequences and through == after:
-            return start if incarnation == a["incarnation"] else offset(a["incarnation"], through)
+            data_loss(opts, queue, f"sequences {describe(missing)} after the query's offset {after} are not in "
+                                   f"the queue (overwritten by a ring queue, or removed or taken by another "
+                                   f"consumer)")
+        # Nothing new gives a part with an empty ``read``. If the batch that
+        # ended at ``start`` still holds messages, that differs from it: Spark
+        # then plans an empty batch, which commits the one before (Spark commits
+        # a batch only when it plans the next). Its producers may be held by
+        # exactly those messages; without this the query would wait forever.
         return offset(a["incarnation"], through, sequences)
 
     def reportLatestOffset(self) -> dict | None:
-        """The queue's last sequence number when the batch was planned, and the
-        lag: how many numbers past the batch's end were not planned yet (shown
-        as the source's ``latestOffset`` in the query's progress)."""
-        if self._latest is None or self._last is None:
+        """Per queue: its last sequence number when the batch was planned, and
+        the lag, how many numbers past the batch's end were not planned yet
+        (shown as the source's ``latestOffset`` in the query's progress)."""
+        if not self._latest or self._last is None:
             return None
-        return {**self._latest, "lag": max(0, self._latest["sequence"] - int(self._last["sequence"]))}
+        last = self._offsets(self._last)
+        return {q: {**latest, "lag": max(0, latest["sequence"] - int(last[q]["sequence"]))}
+                for q, latest in self._latest.items() if q in last}
 
     def partitions(self, start: dict, end: dict) -> list[SequenceSet]:
-        incarnation = end.get("incarnation")
-        if incarnation is None:  # an offset from before incarnations: read what is there
-            a = available(self.opts.endpoint, self.opts.queue, int(start["sequence"]), -1)
-            sequences = RangeSet((f, min(b, int(end["sequence"]))) for f, b in a["sequences"].ranges()
-                                 if f <= int(end["sequence"]))
-            return _partitions(self.opts, a["incarnation"], sequences)
-        return _partitions(self.opts, incarnation, RangeSet.from_wire(end.get("read", [])))
+        out: list[SequenceSet] = []
+        start_parts = self._offsets(start) if start else {}
+        for q, part in sorted(self._offsets(end).items()):
+            incarnation = part.get("incarnation")
+            if incarnation is None:  # an offset from before incarnations: read what is there
+                after = int(start_parts.get(q, {}).get("sequence", 0))
+                a = available(self.opts.endpoint, q, after, -1)
+                sequences = RangeSet((f, min(b, int(part["sequence"]))) for f, b in a["sequences"].ranges()
+                                     if f <= int(part["sequence"]))
+                out += _partitions(self.opts, q, a["incarnation"], sequences, len(out))
+            else:
+                out += _partitions(self.opts, q, incarnation, RangeSet.from_wire(part.get("read", [])), len(out))
+        return out
 
-    def read(self, partition: SequenceSet) -> Iterator[tuple]:
-        return read_sequences(self.opts, partition.incarnation, RangeSet.from_wire(partition.sequences),
-                              self.indices)
+    def read(self, partition: SequenceSet) -> Iterator[Any]:
+        return read_sequences(self.opts, partition.queue, partition.incarnation,
+                              RangeSet.from_wire(partition.sequences), self.indices)
 
     def commit(self, end: dict) -> None:
-        read = RangeSet.from_wire(end.get("read", []))
-        incarnation = end.get("incarnation")
-        if not read or incarnation is None:
-            return
-        try:
-            removed = _run(_remove_sequences, self.opts.endpoint, self.opts.queue, incarnation, read)
-        except (qflow.PreconditionFailed, qflow.NotFound) as exc:
-            # The queue those numbers belong to is gone: nothing of another one is removed.
-            log.warning("qflow: commit of queue %r sequences %s removed nothing: %s", self.opts.queue,
-                        describe(read), exc)
-            return
-        log.info("qflow: committed queue %r sequences %s (%d removed)", self.opts.queue, describe(read), removed)
+        parts = {q: p for q, p in self._offsets(end).items() if p.get("read") and p.get("incarnation")}
+        if parts:
+            _run(_on_session, self.opts.endpoint, _commit, parts)
 
     def stop(self) -> None:
         pass
+
+
+async def _commit(endpoint: Endpoint, ssn: qflow.Session, parts: dict[str, dict]) -> None:
+    for queue, part in parts.items():
+        read = RangeSet.from_wire(part["read"])
+        try:
+            with trio.fail_after(endpoint.connect_timeout):
+                removed = await ssn.remove_sequences(queue, part["incarnation"], read)
+        except (qflow.PreconditionFailed, qflow.NotFound) as exc:
+            # The queue those numbers belong to is gone: nothing of another one is removed.
+            log.warning("qflow: commit of queue %r sequences %s removed nothing: %s", queue, describe(read), exc)
+            continue
+        log.info("qflow: committed queue %r sequences %s (%d removed)", queue, describe(read), removed)
 
 
 # -- writing ----------------------------------------------------------------------
@@ -988,10 +1287,36 @@ def _body_column(column: Any) -> list[bytes]:
     return [b"" if v is None else v for v in values]
 
 
+def _header_from_struct(value: dict[str, Any] | None) -> Any:
+    """The value a typed header struct (as qflow reads it) carries: its one field that is set."""
+    if value is None:
+        return None
+    for name in HEADER_FIELDS:
+        v = value.get(name)
+        if v is not None:
+            return json.loads(v) if name == "json" else v
+    return None
+
+
 def _headers_column(column: Any) -> list[dict[str, Any] | None]:
-    # A map column comes out of Arrow as lists of (key, value) pairs.
-    return [{str(k): v for k, v in pairs if v is not None} or None if pairs else None
-            for pairs in column.to_pylist()]
+    import pyarrow as pa
+
+    # A map column comes out of Arrow as lists of (key, value) pairs; each
+    # value keeps its type (a long stays an integer, binary stays bytes).
+    rows = column.to_pylist()
+    if pa.types.is_struct(column.type.item_type):
+        return [{str(k): _header_from_struct(v) for k, v in pairs} or None if pairs else None for pairs in rows]
+    return [{str(k): v for k, v in pairs} or None if pairs else None for pairs in rows]
+
+
+def _timestamp_column(column: Any, now: int) -> list[int]:
+    """Milliseconds since the epoch; a null is ``now``, the time of the send."""
+    import pyarrow as pa
+
+    if pa.types.is_timestamp(column.type):
+        per_ms = {"s": 0.001, "ms": 1, "us": 1000, "ns": 1_000_000}[column.type.unit]
+        return [now if v is None else int(v // per_ms) for v in column.cast(pa.int64()).to_pylist()]
+    return [now if v is None else int(v) for v in column.to_pylist()]
 
 
 async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: str) -> int:
@@ -1004,7 +1329,8 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
             ssn = await conn.session()
         sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout,
                             durable=opts.durable)
-        send = sender.send
+        send = sender.send_with
+        durable = opts.durable
         n = 0
         for batch in batches:
             # Columns are looked up once per batch, never per row; a column
@@ -1012,26 +1338,50 @@ async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: s
             names = batch.schema.names
             bodies = _body_column(batch.column(names.index("body")))
             rows = len(bodies)
+            if not rows:
+                continue
             column = {name: batch.column(i) for i, name in enumerate(names)
                       if name == "body" or batch.column(i).null_count < rows}
             if "message_id" in column:
                 ids = [mid or f"{id_prefix}-{n + i}" for i, mid in enumerate(column["message_id"].to_pylist())]
             else:
                 ids = [f"{id_prefix}-{i}" for i in range(n, n + rows)]
-            extra = {}
+            # Every message carries the time it was sent (or its row's
+            # timestamp): what a reader's timestamp column shows.
+            now = int(time.time() * 1000)
+            shared: dict[str, Any] = {"timestamp": now}
+            per_row: dict[str, list] = {}
+            if "timestamp" in column:
+                per_row["timestamp"] = _timestamp_column(column["timestamp"], now)
             if keyed and "routing_key" in column:
-                extra["routing_key"] = column["routing_key"].to_pylist()
+                per_row["routing_key"] = column["routing_key"].to_pylist()
             for name in ("correlation_id", "content_type"):
                 if name in column:
-                    extra[name] = column[name].to_pylist()
+                    per_row[name] = column[name].to_pylist()
             if "headers" in column:
-                extra["headers"] = _headers_column(column["headers"])
-            if not extra:
-                # One run of transfers, an id each: the broker takes it whole (native/transfers.h).
-                await sender.send_many(bodies, message_ids=ids)
+                per_row["headers"] = _headers_column(column["headers"])
+            # A value the same in every row is the batch's: the run's shared properties.
+            for name in [name for name, values in per_row.items() if values.count(values[0]) == rows]:
+                value = per_row.pop(name)[0]
+                if value or name in ("timestamp", "routing_key"):
+                    shared[name] = value
+            if not per_row:
+                # One run of transfers, an id each (the map's first key) and the rest
+                # shared: the broker takes it whole (native/transfers.h).
+                await sender.send_many(bodies, message_ids=ids, **shared)
             else:
+                # Some property differs per row: one message at a time (docs/spark.md says so).
+                keys = per_row.pop("routing_key", None)
+                base = {k: v for k, v in shared.items() if k != "routing_key"}
+                if durable:
+                    base["durable"] = True
+                key = shared.get("routing_key")
                 for i, body in enumerate(bodies):
-                    await send(body, message_id=ids[i], **{name: values[i] for name, values in extra.items()})
+                    props = {"message_id": ids[i], **base}
+                    for name, values in per_row.items():
+                        if values[i] or name == "timestamp":
+                            props[name] = values[i]
+                    await send(body, props, routing_key=key if keys is None else keys[i])
             n += rows
         with trio.fail_after(opts.send_timeout or math.inf):
             await sender.sync()
