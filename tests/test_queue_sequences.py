@@ -157,3 +157,32 @@ async def test_queue_list_names_the_queues_and_a_timestamp_travels_with_its_mess
                                                     (b"transient", None)]
     assert got[0].message_id == "s"
     assert [m.durable for m in got[4:]] == [True, True, False]
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["the client splits", "one command"])
+async def test_remove_sequences_of_more_ranges_than_one_command_takes_goes_in_several(running, monkeypatch, split):
+    """The broker takes at most MAX_RANGES ranges in one queue.remove-sequences
+    (issue 17's bound); the client's remove_sequences sends more in several
+    commands, so a commit of a fragmented read (a Spark batch) is never refused.
+    The limit is lowered to 50 here, on the broker and (``split``) in the client."""
+    import qflow.broker.commands as commands_module
+    import qflow.client.session as session_module
+
+    monkeypatch.setattr(commands_module, "MAX_RANGES", 50)
+    monkeypatch.setattr(session_module, "MAX_RANGES", 50 if split else 10_000)
+    conn = await running.connect()
+    ssn = await conn.session()
+    await ssn.declare_queue("fragments")
+    sender = ssn.sender("fragments", capacity=500)
+    await sender.send_many(b"%d" % i for i in range(1, 301))
+    await sender.sync()
+    incarnation = (await ssn.available("fragments"))["incarnation"]
+    odd = RangeSet([(i, i) for i in range(1, 301, 2)])  # 150 ranges
+    if split:
+        assert await ssn.remove_sequences("fragments", incarnation, odd) == 150
+        assert (await ssn.query_queue("fragments"))["msgDepth"] == 150
+        assert list((await ssn.available("fragments", limit=3))["sequences"].ranges()) == [(2, 2), (4, 4), (6, 6)]
+    else:
+        with pytest.raises(qflow.ResourceLimitExceeded, match="150 ranges"):
+            await ssn.remove_sequences("fragments", incarnation, odd)
+        assert (await ssn.query_queue("fragments"))["msgDepth"] == 300

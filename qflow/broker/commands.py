@@ -20,7 +20,7 @@ from qflow.broker.queue import Consumer, Queue
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry
 from qflow.protocol.names import check_name, printable
-from qflow.protocol.ranges import RangeSet
+from qflow.protocol.ranges import MAX_RANGES, RangeSet
 
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker, Steps
@@ -37,8 +37,8 @@ NO_COMPLETE = object()  # a handler's result: the command completes later (execu
 # refused with RESOURCE_LIMIT_EXCEEDED, and the session, its connection and the
 # broker carry on. A client never needs more: its receivers accept consecutive
 # deliveries as one range, and its senders wait for each sync.
-# ranges in one message.accept, message.release or queue.remove-sequences, and in a queue.available answer
-MAX_RANGES = 10_000
+# MAX_RANGES (qflow.protocol.ranges): ranges in one message.accept, message.release or
+# queue.remove-sequences, and in a queue.available answer
 MAX_WAITING_SYNCS = 1_000  # execution.sync commands of one session waiting for earlier commands
 
 

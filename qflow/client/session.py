@@ -14,7 +14,7 @@ from qflow.client.receiver import Receiver
 from qflow.client.sender import Sender
 from qflow.protocol.commands import OutgoingCommands
 from qflow.protocol.names import printable
-from qflow.protocol.ranges import RangeSet
+from qflow.protocol.ranges import MAX_RANGES, RangeSet
 
 if TYPE_CHECKING:
     from qflow.client.connection import Connection
@@ -150,8 +150,15 @@ class Session:
     async def remove_sequences(self, name: str, incarnation: str, sequences: RangeSet) -> int:
         """Remove exactly the available messages of ``name`` numbered in
         ``sequences``, if the queue is still ``incarnation`` (else the broker
-        refuses with PRECONDITION_FAILED and removes nothing); returns how many went."""
-        return (await self._call(P.QUEUE_REMOVE_SEQUENCES, name, incarnation, sequences.to_wire()))["messages"]
+        refuses with PRECONDITION_FAILED and removes nothing); returns how many went.
+        More than MAX_RANGES ranges go in several commands, in order: a refusal
+        of a later one leaves the earlier ones' removals done."""
+        wire = sequences.to_wire()
+        step = 2 * MAX_RANGES
+        removed = 0
+        for i in range(0, len(wire), step):
+            removed += (await self._call(P.QUEUE_REMOVE_SEQUENCES, name, incarnation, wire[i:i + step]))["messages"]
+        return removed
 
     async def list_queues(self) -> list[str]:
         """The names of the broker's queues (those this user may access)."""

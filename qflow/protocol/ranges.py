@@ -10,6 +10,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 
+# The most ranges one command may carry (message.accept, message.release,
+# queue.remove-sequences) or one queue.available answer may hold: the broker
+# refuses more (issue 17), and the client splits what it sends to fit.
+MAX_RANGES = 10_000
+
 
 class RangeSet:
     __slots__ = ("_firsts", "_lasts")
