@@ -220,22 +220,9 @@ class Sender:
         parameter more would cost its per-message path a few percent."""
         if properties is None and self._durable:
             properties = {"durable": True}
-        body, prefix = await self._prepare(body, routing_key, properties or None)
-        # As send's slow path from here (send inlines it: a call per message costs it).
-        commands = self._commands
-        command_id = commands.next_id
-        commands.next_id = command_id + 1
-        if commands.last_owner is not self:
-            commands.new_run(command_id, self)
-        parts = self._parts
-        if not parts:
-            self._conn._wake.set()
-        parts.append(prefix)
-        parts.append(body)
-        incomplete = self.incomplete + 1
-        self.incomplete = incomplete
-        if incomplete > self.max_incomplete:
-            self.max_incomplete = incomplete
+        props = properties or None
+        body, _ = await self._prepare(body, routing_key, props)  # refusals, room, rate, size
+        self._write_run([body], self._head_for(routing_key, props))  # numbered and written as a run of one
         self._unyielded += 1
         if self._unyielded >= YIELD_EVERY:
             self._unyielded = 0
