@@ -47,15 +47,16 @@ def two_clients() -> tuple[Harness, MemoryClient, MemorySession, MemoryClient, M
     return harness, a, a.session("a"), b, b.session("b")
 
 
-def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def record_batches(monkeypatch: pytest.MonkeyPatch, method: str = "dequeue_many") -> list[int]:
+    """The size of each batch handed to Queue.``method`` from now on."""
     sizes: list[int] = []
-    real = queue_module.Queue.dequeue_many
+    real = getattr(queue_module.Queue, method)
 
-    def dequeue_many(self, entries):
+    def recording(self, entries):
         sizes.append(len(entries))
         return real(self, entries)
 
-    monkeypatch.setattr(queue_module.Queue, "dequeue_many", dequeue_many)
+    monkeypatch.setattr(queue_module.Queue, method, recording)
     return sizes
 
 
@@ -458,14 +459,7 @@ def test_a_connections_close_puts_back_its_sessions_deliveries_in_slices(sliced,
     ssn_a2.subscribe("q", "d2", credit=1000, accept=P.ACCEPT_EXPLICIT)
     fill(harness, ssn_b, "q", 2000)
     assert len(ssn_a.deliveries) == len(ssn_a2.deliveries) == 1000
-    sizes: list[int] = []
-    real = queue_module.Queue.put_back_many
-
-    def put_back_many(self, returned):
-        sizes.append(len(returned))
-        return real(self, returned)
-
-    monkeypatch.setattr(queue_module.Queue, "put_back_many", put_back_many)
+    sizes = record_batches(monkeypatch, "put_back_many")
     q = harness.broker.queues["q"]
     steps = a.pump.close_steps()
     next(steps)
