@@ -18,7 +18,8 @@ from __future__ import annotations
 import trio
 
 from qflow.broker.broker import Broker
-from qflow.store.journal import Journal
+from qflow.store import sync_thread
+from qflow.store.journal import Batch, Journal
 from qflow.store.message_store import MessageStore
 from qflow.store.quota import QuotaLimits
 
@@ -35,21 +36,43 @@ async def run_store(broker: Broker, journal: Journal, quota: QuotaLimits | None 
         poked.set()
 
     store = MessageStore(broker, journal, wake, quota)
-    task_status.started(store)
-    while True:
-        await poked.wait()
-        poked = trio.Event()
-        commit = store.prepare()
-        broker.flush()  # the transient transfers prepare() released complete now, not after the sync
-        if commit is None:
-            continue
-        if commit.batch is not None:
+    sync = sync_thread.SyncThread() if sync_thread.wanted() else None
+    try:
+        task_status.started(store)
+        while True:
+            await poked.wait()
+            poked = trio.Event()
+            commit = store.prepare()
+            broker.flush()  # the transient transfers prepare() released complete now, not after the sync
+            if commit is None:
+                continue
+            if commit.batch is not None:
+                await _write(journal, commit.batch, sync)
+            store.finish(commit)
+            broker.flush()
+    finally:
+        if sync is not None:
+            sync.close()
+
+
+async def _write(journal: Journal, batch: Batch, sync: sync_thread.SyncThread | None) -> None:
+    """Make ``batch`` durable: in the native sync thread if it only appends to
+    the open segment, else in a worker thread."""
+    fd = journal.fd_for(batch) if sync is not None else -1
+    try:
+        # Not cancellable: a commit abandoned half way would leave the journal's two sides out
+        # of step; shutdown waits for at most one sync (to_thread's default; shielded here).
+        if fd >= 0:
+            sync.submit(fd, batch)  # type: ignore[union-attr]
+            with trio.CancelScope(shield=True):
+                await trio.lowlevel.wait_readable(sync.event_fd)  # type: ignore[union-attr]
             try:
-                # Not cancellable (trio's default): a commit abandoned half way would leave the
-                # journal's two sides out of step; shutdown waits for at most one sync.
-                await trio.to_thread.run_sync(journal.write_and_sync, commit.batch)
-            except BaseException:
-                journal.committed(commit.batch)
+                sync.done()  # type: ignore[union-attr]
+            except BaseException as exc:
+                journal.write_failed(f"{type(exc).__name__}: {exc}")
                 raise
-        store.finish(commit)
-        broker.flush()
+        else:
+            await trio.to_thread.run_sync(journal.write_and_sync, batch)
+    except BaseException:
+        journal.committed(batch)  # MessageStore.finish says it otherwise
+        raise

@@ -491,6 +491,19 @@ class Journal:
         os.write(fd, _RECORD.pack(len(header), zlib.crc32(header)) + header)
         self._fd, self._fd_segment = fd, number
 
+    def fd_for(self, batch: Batch) -> int:
+        """The open segment's descriptor if writing ``batch`` is only appending
+        a record to it and syncing (no new segment, nothing to unlink), so that
+        the sync thread (qflow.store.sync_thread) may do it; else -1, and
+        :meth:`write_and_sync` must."""
+        if batch.new_segment or batch.unlink or self._fd_segment != batch.segment:
+            return -1
+        return self._fd
+
+    def write_failed(self, reason: str) -> None:
+        """A write of a batch from :meth:`fd_for` failed: no commit may follow it."""
+        self._failed = reason
+
     def committed(self, batch: Batch) -> None:
         """The loop's side of a finished (or failed) :meth:`write_and_sync`: the next commit may start."""
         self._in_flight = False
@@ -640,6 +653,18 @@ def encode_native(batch: Batch) -> bytearray:
     """:func:`encode_python`'s bytes, made by native/journal.c in one call (the
     GIL released while it runs): the writer thread's Python work per batch is
     a join of its entries and a list of their lengths, whatever their number."""
+    b, keep, out, size = native_batch(batch)
+    n = _lib.qf_journal_encode(b, keep[-1], size)
+    if n != size:
+        raise JournalError(f"the batch encoder returned {n} for a payload of {size} bytes "
+                           "(-1: too small, -2: inconsistent columns, -3: out of memory)")
+    return out
+
+
+def native_batch(batch: Batch) -> tuple[object, tuple[object, ...], bytearray, int]:
+    """``batch`` as native/journal.h's ``qf_journal_batch``: the struct, the
+    cdata it points into (keep them alive while C reads it; the last one is the
+    output buffer's), the output buffer and the payload's size."""
     entries = b"".join(batch.entries)
     names = _encoded_names(batch.names)
     size = batch.payload_size()
@@ -660,11 +685,7 @@ def encode_native(batch: Batch) -> bytearray:
     if len(batch.enq_names) != b.nenq or len(batch.enq_bodies) != b.nenq or len(batch.deq_seqs) != b.ndeq \
             or len(batch.section_counts) != b.nsections:
         raise JournalError("the batch's columns differ in length")
-    n = _lib.qf_journal_encode(b, keep[11], size)
-    if n != size:
-        raise JournalError(f"the batch encoder returned {n} for a payload of {size} bytes "
-                           "(-1: too small, -2: inconsistent columns, -3: out of memory)")
-    return out
+    return b, keep, out, size
 
 
 def encoder_for(kind: str | None = None) -> Callable[[Batch], bytes | bytearray]:
