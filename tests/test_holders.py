@@ -80,6 +80,69 @@ def test_a_transfer_is_not_complete_until_its_holder_releases(harness: Harness):
         assert harness.runs_taken and all(harness.runs_taken)
 
 
+def test_a_run_to_one_held_queue_reaches_its_holder_as_one_uniform_run(harness: Harness):
+    """The store's usual input (a run of transfers to one durable queue) is
+    handed over as (queue, tokens, entries), no tuple per transfer; take()
+    then has nothing more, and the tokens release as any others do."""
+    p = harness.connect().session()
+    p.declare_queue("q")
+    store = harness.broker.add_holder("store")
+    q = harness.broker.queues["q"]
+    q.add_holder(store)
+    ids = send(harness, p, "q", 4, b"body")
+    runs = store.take_runs()
+    if harness.broker.runs is None:  # frame by frame: the holds come as pairs, as before
+        assert runs == []
+        held = store.take()
+        tokens_ = tokens(held)
+        assert [seq_of(messages[0][1]) for _, messages in held] == [1, 2, 3, 4]
+    else:
+        assert len(runs) == 1 and runs[0][0] is q
+        _, tokens_, entries = runs[0]
+        assert [seq_of(e) for e in entries] == [1, 2, 3, 4]
+        assert [entry_tail(e) for e in entries] == [("", "q", None, b"body")] * 4
+        assert store.take() == []
+    assert len(set(tokens_)) == 4
+    release(harness, store, tokens_[:3])
+    assert p.incomplete(ids) == ids[3:]
+    release(harness, store, tokens_)
+    assert not p.incomplete(ids)
+
+
+def test_runs_to_two_held_queues_in_one_batch_arrive_as_pairs_each_with_its_queue(harness: Harness):
+    """Holds of several queues' runs in one applied log are not one uniform
+    run: each comes as a (token, ((queue, entry),)) pair naming its own queue."""
+    p = harness.connect().session()
+    for name in ("a", "b"):
+        p.declare_queue(name)
+    store = harness.broker.add_holder("store")
+    a, b = harness.broker.queues["a"], harness.broker.queues["b"]
+    a.add_holder(store)
+    b.add_holder(store)
+    ids = [p.transfer(name, body.encode(), "") for name, body in (("a", "a1"), ("a", "a2"), ("b", "b1"), ("a", "a3"))]
+    harness.run()
+    assert store.take_runs() == []
+    held = store.take()
+    assert [(messages[0][0].name, entry_tail(messages[0][1])[3]) for _, messages in held] == [
+        ("a", b"a1"), ("a", b"a2"), ("b", b"b1"), ("a", b"a3")]
+    release(harness, store, tokens(held))
+    assert not p.incomplete(ids)
+
+
+def test_take_gives_the_runs_not_taken_as_pairs_first(harness: Harness):
+    """A holder that never asks for runs (the memory alarm, a test) sees every hold through take()."""
+    p = harness.connect().session()
+    p.declare_queue("q")
+    store = harness.broker.add_holder("store")
+    q = harness.broker.queues["q"]
+    q.add_holder(store)
+    send(harness, p, "q", 2)
+    send(harness, p, "q", 1)
+    held = store.take()
+    assert [(queue, seq_of(entry)) for _, messages in held for queue, entry in messages] == [(q, 1), (q, 2), (q, 3)]
+    assert store.take_runs() == [] and store.take() == []
+
+
 @pytest.mark.parametrize("holder_first", [True, False], ids=["holder-first", "queue-first"])
 def test_a_transfer_held_by_a_stopped_queue_and_a_holder_waits_for_both(harness: Harness, holder_first: bool):
     p = harness.connect().session()

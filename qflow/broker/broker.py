@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator
-from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -393,11 +392,13 @@ class Broker:
                 log_seqs += [s + i for s in seqs]
                 log_seqs.append(None)
         elif len(queues) == 1 and len(holders) == 1:  # one durable queue: the store's usual input
-            # Per transfer (None, seq, ((q, entry),), None), filled in by column: no Python call per message.
+            # Per transfer (None, seq, entry, None), filled in by column: no Python call, and no tuple,
+            # per message; log_runs says whose entries they are (FlowControl.log_runs).
             entries = stored[0][3]
             block: list[Any] = [None] * (4 * len(entries))
             block[1::4] = range(seqs[0], seqs[0] + len(entries))
-            block[2::4] = list(zip(zip(repeat(queues[0]), entries)))
+            block[2::4] = entries
+            self.flow.log_runs.append((len(log_seqs), len(block), queues[0]))
             log_seqs += block
         else:
             covered = list(holders.values())

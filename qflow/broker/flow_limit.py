@@ -74,6 +74,16 @@ log = logging.getLogger("qflow.broker")
 # of array('q').extend with a tuple.
 pack_op = Struct(f"={OP_WORDS}q").pack
 _op_index_of, _token_of, _session_of, _slot_of = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)  # of a Hold
+_run_ops = itemgetter(1)  # of a FlowControl.log_runs item
+
+
+def _held_messages(seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> list[Any]:
+    """``seqs`` (an applied log's, no longer shared) with each bare entry of
+    ``runs`` made the ``((queue, entry),)`` every other OP_HOLD carries."""
+    for start, nops, q in runs:
+        holds = range(start + 2, start + nops, 4)  # per transfer: TRANSFER, ENQUEUE, HOLD, END
+        seqs[start + 2:start + nops:4] = [((q, seqs[i]),) for i in holds]
+    return seqs
 
 
 class FlowLimit:
@@ -150,6 +160,8 @@ class FlowLimit:
 # What a holder is handed for each transfer it holds: (its token, the messages held: (queue, entry) for
 # each of the transfer's queues that carry the holder).
 Held = tuple[int, tuple[tuple["Queue", Entry], ...]]
+# A run of holds of one queue's transfers, a message each (Holder.take_runs): (queue, tokens, entries).
+HeldRun = tuple["Queue", list[int], list[Entry]]
 # What a holder may be told of dequeues: (queue, the entries dequeued from it).
 Dequeued = Callable[["Queue", Sequence[Entry]], None]
 
@@ -171,8 +183,8 @@ class Holder:
     the transfer completes once its other holders (routing, stopped queues,
     other outside holders) have let go too. Created by :meth:`FlowControl.add_holder`."""
 
-    __slots__ = ("slot", "name", "control", "arrived", "wake", "dequeued", "removed", "label", "held_sessions",
-                 "token_sessions", "tracks")
+    __slots__ = ("slot", "name", "control", "arrived", "runs", "wake", "dequeued", "removed", "label",
+                 "held_sessions", "token_sessions", "tracks")
 
     def __init__(self, slot: int, name: str, control: FlowControl, wake: Callable[[], None] | None,
                  dequeued: Dequeued | None = None) -> None:
@@ -180,6 +192,7 @@ class Holder:
         self.name = name
         self.control = control
         self.arrived: list[Held] = []  # holds given since the last take()
+        self.runs: list[HeldRun] = []  # uniform runs of holds given since the last take_runs()
         self.wake = wake or _nothing  # called after an apply that gave it holds
         # Told of every message dequeued from a queue that carries it, as it happens (the store
         # writes the removal); queues without holders pay nothing for it.
@@ -200,9 +213,22 @@ class Holder:
     def take(self) -> list[Held]:
         """The holds given to this holder since the last call: ``(token, messages)``
         per transfer, ``messages`` the ``(queue, entry)`` it holds (entries as
-        qflow.protocol.entries stores them)."""
+        qflow.protocol.entries stores them); those :meth:`take_runs` has not
+        taken come first, made pairs."""
         arrived, self.arrived = self.arrived, []
+        if self.runs:
+            runs, self.runs = self.runs, []
+            arrived[:0] = [(token, ((q, entry),)) for q, tokens, entries in runs
+                           for token, entry in zip(tokens, entries, strict=True)]
         return arrived
+
+    def take_runs(self) -> list[HeldRun]:
+        """What :meth:`take` would return first, as uniform runs, the usual
+        input of one durable queue: ``(queue, tokens, entries)``, one message
+        per transfer, each transfer's token with its entry on ``queue`` (no
+        tuple per transfer). :meth:`take` then returns the rest."""
+        runs, self.runs = self.runs, []
+        return runs
 
     def release(self, tokens: Iterable[int]) -> None:
         """Let go of these holds (tokens from :meth:`take`). They are ops in the
@@ -242,13 +268,18 @@ class FlowControl:
 
     Writers append to ``log`` (with ``pack_op``) and, per op, to ``log_seqs``:
     the message sequence number it enqueued, for OP_HOLD the messages held
-    (``(queue, entry)`` pairs), else None; :meth:`apply` runs them. ``dirty``
-    collects the sessions with something to report."""
+    (``(queue, entry)`` pairs), else None; :meth:`apply` runs them. A run of
+    transfers to one queue with one outside holder may log, for each OP_HOLD,
+    the bare entry instead, and say in ``log_runs`` which ops and which queue
+    (Broker's transfer runs: no tuple per message). ``dirty`` collects the
+    sessions with something to report."""
 
     def __init__(self, accounting: Accounting) -> None:
         self.acct = accounting
         self.log = bytearray()
         self.log_seqs: list[Any] = []
+        # (first op index, op count, queue): log_seqs's runs whose OP_HOLDs carry bare entries on that queue
+        self.log_runs: list[tuple[int, int, Queue]] = []
         self.queues: dict[int, Queue] = {}  # by accounting slot
         self.holders: dict[int, Holder] = {}  # by accounting slot
         self.sessions: dict[int, BrokerSession] = {}  # by accounting slot
@@ -308,6 +339,7 @@ class FlowControl:
         del self.holders[holder.slot]
         holder.removed = True
         holder.arrived = []  # released below: nothing left for it to do
+        holder.runs = []
         return completions + self.acct.remove_holder(holder.slot)
 
     def name_holds(self, holder: Holder, label: str | None) -> None:
@@ -381,9 +413,11 @@ class FlowControl:
         """Run the op log; returns the completed command ranges (session slot, first, last)."""
         if not self.log:
             return []
-        ops, seqs = memoryview(self.log).cast("q"), self.log_seqs
+        ops, seqs, runs = memoryview(self.log).cast("q"), self.log_seqs, self.log_runs
         self.log = bytearray()
         self.log_seqs = []
+        if runs:
+            self.log_runs = []
         if self.unheld:  # let go by dequeues in this log, before anything it holds anew
             self._tell_unheld()
         try:
@@ -396,14 +430,18 @@ class FlowControl:
         if transitions:
             self._transitions(transitions, None)
         if holds:
-            self._hold(holds, seqs)
+            self._hold(holds, seqs, runs)
         return completions
 
-    def _hold(self, holds: list[Hold], seqs: list[Any]) -> None:
+    def _hold(self, holds: list[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> None:
         """Record the holds of an applied log: each queue's tokens and held sessions
         (a session is told when a queue first holds it), or an outside holder's arrivals."""
         queues, sessions = self.queues, self.sessions
         woken: dict[Holder, None] = {}
+        if runs:  # OP_HOLDs with bare entries: as uniform runs if that is all there is, else as pairs
+            if self._runs_only(holds, seqs, runs):
+                return
+            seqs = _held_messages(seqs, runs)
         if holds and holds[0][3] not in queues and self._one_holder(holds):
             # All of one outside holder (the store's usual input): handed over with no Python call per hold.
             holder = self.holders[holds[0][3]]
@@ -446,6 +484,25 @@ class FlowControl:
                 self.dirty[ssn] = None
         for holder in woken:
             holder.wake()
+
+    def _runs_only(self, holds: list[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> bool:
+        """The usual input of a durable queue: every hold is an OP_HOLD of
+        ``runs``, all on one queue, all of one unnamed outside holder. Then it
+        gets them as one uniform run (Holder.take_runs) and this returns True;
+        else False, with nothing done."""
+        q = runs[0][2]
+        if len(holds) * 4 != sum(map(_run_ops, runs)) or not all(r[2] is q for r in runs) \
+                or holds[0][3] in self.queues or not self._one_holder(holds):
+            return False
+        holder = self.holders[holds[0][3]]
+        if holder.label is not None:
+            return False
+        tokens = list(map(_token_of, holds))
+        holder.runs.append((q, tokens, list(map(seqs.__getitem__, map(_op_index_of, holds)))))
+        if holder.tracks:
+            holder.token_sessions.update(zip(tokens, map(self.sessions.get, map(_session_of, holds)), strict=True))
+        holder.wake()
+        return True
 
     @staticmethod
     def _one_holder(holds: list[Hold]) -> bool:
