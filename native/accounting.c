@@ -619,6 +619,27 @@ int acct_stats(const acct_state *st, int64_t queue, uint64_t out[5])
     return ACCT_OK;
 }
 
+int64_t acct_holds_of(const acct_state *st, int64_t holder, int64_t *tokens, int64_t *sessions, size_t cap)
+{
+    if (!find_holder(st, holder))
+        return -ACCT_ERR_UNKNOWN_HOLDER;
+    size_t n = 0;
+    for (size_t i = 0; i < st->noutside; i++) {
+        const struct outside_hold *o = &st->outside[i];
+        if (o->transfer < 0 || o->holder != holder)
+            continue;
+        const struct transfer *t = &st->transfers[o->transfer];
+        if (t->dropped)
+            continue;
+        if (n < cap) {
+            tokens[n] = (int64_t)(((uint64_t)o->generation << 32) | i);
+            sessions[n] = t->session;
+        }
+        n++;
+    }
+    return (int64_t)n;
+}
+
 int acct_force_depth(acct_state *st, int64_t queue, uint32_t count, uint64_t nbytes)
 {
     struct queue *q = find_queue(st, queue);

@@ -81,6 +81,10 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords);
 void acct_drop_session(acct_state *st, int64_t session);
 /* out: count, bytes, flow_on, stopped_count, held; for a holder 0, 0, 0, 0, held. */
 int acct_stats(const acct_state *st, int64_t queue, uint64_t out[5]);
+/* The live holds of outside holder ``holder``, in index order: the first
+ * ``cap`` of them into tokens[] and sessions[] (the session of the transfer
+ * each holds); returns how many there are, or -ACCT_ERR_UNKNOWN_HOLDER. */
+int64_t acct_holds_of(const acct_state *st, int64_t holder, int64_t *tokens, int64_t *sessions, size_t cap);
 /* For tests only: the 32-bit count limit cannot be reached by enqueuing. */
 int acct_force_depth(acct_state *st, int64_t queue, uint32_t count, uint64_t nbytes);
 

@@ -63,6 +63,7 @@ int acct_set_thresholds(acct_state *st, int64_t queue, uint32_t stop_count, uint
 int acct_apply(acct_state *st, const int64_t *log, size_t nwords);
 void acct_drop_session(acct_state *st, int64_t session);
 int acct_stats(const acct_state *st, int64_t queue, uint64_t out[5]);
+int64_t acct_holds_of(const acct_state *st, int64_t holder, int64_t *tokens, int64_t *sessions, size_t cap);
 int acct_force_depth(acct_state *st, int64_t queue, uint32_t count, uint64_t nbytes);
 """
 

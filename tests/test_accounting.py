@@ -465,6 +465,25 @@ def test_a_removed_holders_tokens_never_name_a_later_hold(acc):
     assert held(acc, h) == 1
 
 
+def test_holds_of_names_each_live_hold_with_its_transfers_session(acc):
+    """What a holder that starts naming sessions asks (FlowControl.name_holds):
+    its live holds' tokens, in index order, each with its transfer's session;
+    a released hold and a dropped session's are gone, an unknown holder is refused."""
+    h, other = acc.add_holder(), acc.add_holder()
+    _, holds, _ = acc.apply(oplog((OP_TRANSFER, 7, 1), (OP_HOLD, h), (OP_END,),
+                                  (OP_TRANSFER, 8, 1), (OP_HOLD, other), (OP_END,),
+                                  (OP_TRANSFER, 9, 2), (OP_HOLD, h), (OP_END,)))
+    tokens = [token for _, token, _, _ in holds]
+    assert acc.holds_of(h) == [(tokens[0], 7), (tokens[2], 9)]
+    assert acc.holds_of(other) == [(tokens[1], 8)]
+    acc.apply(oplog(rel(h, tokens[0])))
+    assert acc.holds_of(h) == [(tokens[2], 9)]
+    acc.drop_session(9)
+    assert acc.holds_of(h) == []
+    with pytest.raises(AccountingError, match="unknown holder slot 99"):
+        acc.holds_of(99)
+
+
 def test_queues_and_holders_share_slots_but_not_ops(acc):
     q, h = acc.add_queue(), acc.add_holder()
     for ops, message in (
@@ -982,3 +1001,5 @@ def test_native_matches_python(history):
             model.forget_session(session)
         for queue in range(-1, model.next_slot + 1):
             same(both, "stats", queue)
+        for holder in model.holders:
+            same(both, "holds_of", holder)

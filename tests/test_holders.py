@@ -143,6 +143,31 @@ def test_take_gives_the_runs_not_taken_as_pairs_first(harness: Harness):
     assert store.take_runs() == [] and store.take() == []
 
 
+def test_a_tracking_holder_named_later_names_the_sessions_it_holds_then(harness: Harness):
+    """The store's quota: holds given while it was not named, less those it let
+    go (even if the release is still in the unapplied log), name their
+    sessions when it is named; the last one let go tells the session so."""
+    p, other = harness.connect().session(), harness.connect().session()
+    p.declare_queue("q")
+    store = harness.broker.add_holder("store")
+    store.tracks = True
+    harness.broker.queues["q"].add_holder(store)
+    ids = send(harness, p, "q", 3)
+    done_ids = send(harness, other, "q", 1)
+    held = [t for run in store.take_runs() for t in run[1]] + tokens(store.take())
+    assert len(held) == 4 and not p.held_by and not other.held_by
+    store.release(held[3:])  # other's transfer: let go, the release not applied yet
+    harness.broker.flow.name_holds(store, "store overfull")
+    harness.broker.flush()
+    harness.run()
+    assert p.held_by == {"store overfull"} and not other.held_by
+    assert not other.incomplete(done_ids)
+    release(harness, store, held[:2])
+    assert p.held_by == {"store overfull"}  # one of its transfers is still held
+    release(harness, store, held[2:3])
+    assert not p.held_by and not p.incomplete(ids)
+
+
 @pytest.mark.parametrize("holder_first", [True, False], ids=["holder-first", "queue-first"])
 def test_a_transfer_held_by_a_stopped_queue_and_a_holder_waits_for_both(harness: Harness, holder_first: bool):
     p = harness.connect().session()

@@ -99,6 +99,18 @@ class NativeAccounting:
         self._check(lib.acct_stats(self._st, _slot(queue), s), queue)
         return s[0], s[1], bool(s[2]), s[3], s[4]
 
+    def holds_of(self, holder: int) -> list[tuple[int, int]]:
+        """(token, session) of each live hold of outside holder ``holder``, in token index order."""
+        slot = _slot(holder, "holder")
+        n = lib.acct_holds_of(self._st, slot, ffi.NULL, ffi.NULL, 0)
+        if n < 0:
+            self._check(-n, holder)
+        if not n:
+            return []
+        tokens, sessions = ffi.new("int64_t[]", n), ffi.new("int64_t[]", n)
+        lib.acct_holds_of(self._st, slot, tokens, sessions, n)
+        return list(zip(tokens, sessions, strict=True))
+
     def drop_session(self, session: int) -> None:
         # A session outside int64 cannot have come from an op log.
         if _INT64_MIN <= session <= _INT64_MAX:

@@ -224,6 +224,16 @@ class PyAccounting:
         self._free_queues.append(holder)
         return out
 
+    def holds_of(self, holder: int) -> list[tuple[int, int]]:
+        """(token, session) of each live hold of outside holder ``holder``, in
+        token index order: what a holder that starts naming the sessions it
+        holds must know (FlowControl.name_holds), asked then rather than kept."""
+        if holder not in self._holders:
+            raise AccountingError(f"unknown holder slot {holder}")
+        transfers = self._transfers
+        return [(generation << 32 | i, transfers[slot][1]) for i, (slot, h, generation) in enumerate(self._outside)
+                if slot >= 0 and h == holder and transfers[slot][1] is not None]
+
     def _free_hold(self, i: int) -> int:
         """Free outside hold ``i``; returns the transfer it held."""
         entry = self._outside[i]

@@ -45,7 +45,9 @@ import logging
 import struct
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from operator import itemgetter
 from struct import Struct
 from typing import TYPE_CHECKING, Any
@@ -201,11 +203,11 @@ class Holder:
         # While not None, the sessions it holds are told so under this name (session.flow-notice,
         # heldBy), as a stopped queue's are: see FlowControl.name_holds.
         self.label: str | None = None
-        # Whether it keeps each hold's session (token_sessions) even while not named, so that
-        # naming it later names the sessions of the holds it has then. Off, a hold costs nothing more.
+        # Whether naming it also names the sessions of the holds it has already (asked of the
+        # accounting then: FlowControl.name_holds). Either way an unnamed hold costs nothing more.
         self.tracks = False
         self.held_sessions: dict[Any, int] = {}  # session -> its transfers held, while named
-        self.token_sessions: dict[int, Any] = {}  # hold token -> its session, while tracked
+        self.token_sessions: dict[int, Any] = {}  # hold token -> its session, while named
 
     def __repr__(self) -> str:
         return f"<Holder {self.name!r} slot {self.slot}{' removed' if self.removed else ''}>"
@@ -351,23 +353,35 @@ class FlowControl:
             for ssn in holder.held_sessions:
                 self._tell_holder(ssn, holder.label, False)
             holder.held_sessions.clear()
-            if not holder.tracks:
-                holder.token_sessions.clear()
+            holder.token_sessions.clear()
             holder.label = None
             return
         if holder.label is not None:
             return
         holder.label = label
         held = holder.held_sessions
+        if holder.tracks:  # the holds applied so far, less those let go since (their releases still in the log)
+            released = self._logged_releases(holder)
+            sessions = self.sessions
+            holder.token_sessions = {token: sessions.get(slot) for token, slot in self.acct.holds_of(holder.slot)
+                                     if token not in released}
         for ssn in holder.token_sessions.values():
             if ssn is not None and not ssn.closed:
                 held[ssn] = held.get(ssn, 0) + 1
         for ssn in held:
             self._tell_holder(ssn, label, True)
 
+    def _logged_releases(self, holder: Holder) -> set[int]:
+        """The tokens ``holder`` released in the log not applied yet."""
+        ops = memoryview(self.log).cast("q")
+        return {ops[i + 2] for i in range(0, len(ops), OP_WORDS) if ops[i] == OP_RELEASE and ops[i + 1] == holder.slot}
+
     def let_go(self, holder: Holder, tokens: Iterable[int]) -> None:
         """A named holder releases ``tokens``: a session none of whose transfers it holds any more is told."""
         held, by_token = holder.held_sessions, holder.token_sessions
+        if not held:  # no session to tell (the usual: not named): forget the tokens with no Python call each
+            deque(map(by_token.pop, tokens, repeat(None)), maxlen=0)
+            return
         for token in tokens:
             ssn = by_token.pop(token, None)
             n = held.get(ssn) if held and ssn is not None else None
@@ -448,9 +462,6 @@ class FlowControl:
             if holder.label is None:  # named (overfull, alarm): the loop below tells its sessions
                 holder.arrived += zip(map(_token_of, holds), map(seqs.__getitem__, map(_op_index_of, holds)),
                                       strict=True)
-                if holder.tracks:  # each hold's session, in bulk too (see Holder.tracks)
-                    holder.token_sessions.update(zip(map(_token_of, holds),
-                                                     map(sessions.get, map(_session_of, holds)), strict=True))
                 holder.wake()
                 return
         for op_index, token, session_slot, slot in holds:
@@ -459,7 +470,7 @@ class FlowControl:
                 holder = self.holders[slot]
                 holder.arrived.append((token, seqs[op_index]))
                 woken[holder] = None
-                if holder.tracks or holder.label is not None:
+                if holder.label is not None:
                     ssn = sessions.get(session_slot)
                     if ssn is not None:
                         holder.token_sessions[token] = ssn
@@ -499,8 +510,6 @@ class FlowControl:
             return False
         tokens = list(map(_token_of, holds))
         holder.runs.append((q, tokens, list(map(seqs.__getitem__, map(_op_index_of, holds)))))
-        if holder.tracks:
-            holder.token_sessions.update(zip(tokens, map(self.sessions.get, map(_session_of, holds)), strict=True))
         holder.wake()
         return True
 
