@@ -109,22 +109,47 @@ def test_a_run_to_one_held_queue_reaches_its_holder_as_one_uniform_run(harness: 
     assert not p.incomplete(ids)
 
 
-def test_runs_to_two_held_queues_in_one_batch_arrive_as_pairs_each_with_its_queue(harness: Harness):
-    """Holds of several queues' runs in one applied log are not one uniform
-    run: each comes as a (token, ((queue, entry),)) pair naming its own queue."""
+def test_runs_to_two_held_queues_in_one_batch_arrive_as_one_run_each(harness: Harness):
+    """Several runs of transfers in one applied log, to two durable queues:
+    one uniform run each, in order, each naming its queue."""
     p = harness.connect().session()
     for name in ("a", "b"):
         p.declare_queue(name)
     store = harness.broker.add_holder("store")
-    a, b = harness.broker.queues["a"], harness.broker.queues["b"]
-    a.add_holder(store)
-    b.add_holder(store)
+    for name in ("a", "b"):
+        harness.broker.queues[name].add_holder(store)
     ids = [p.transfer(name, body.encode(), "") for name, body in (("a", "a1"), ("a", "a2"), ("b", "b1"), ("a", "a3"))]
+    harness.run()
+    if harness.broker.runs is None:
+        held = store.take()
+    else:
+        runs = store.take_runs()
+        assert [(q.name, [entry_tail(e)[3] for e in entries]) for q, _, entries in runs] == [
+            ("a", [b"a1", b"a2"]), ("b", [b"b1"]), ("a", [b"a3"])]
+        assert store.take() == []
+        held = [(t, ((q, e),)) for q, tokens_, entries in runs for t, e in zip(tokens_, entries, strict=True)]
+    assert [(messages[0][0].name, entry_tail(messages[0][1])[3]) for _, messages in held] == [
+        ("a", b"a1"), ("a", b"a2"), ("b", b"b1"), ("a", b"a3")]
+    release(harness, store, tokens(held))
+    assert not p.incomplete(ids)
+
+
+def test_runs_mixed_with_a_fanout_in_one_batch_arrive_as_pairs_each_with_its_queue(harness: Harness):
+    """A log whose holds are not all of runs (a fanout's transfer holds two
+    queues' messages at once): every hold comes as a pair, the runs' ones
+    naming their own queue."""
+    p = harness.connect().session()
+    store = harness.broker.add_holder("store")
+    for name in ("a", "b"):
+        p.declare_queue(name)
+        p.call(P.EXCHANGE_BIND, "amq.fanout", name, "")
+        harness.broker.queues[name].add_holder(store)
+    ids = [p.transfer("a", b"a1", ""), p.transfer("", b"fan", "amq.fanout"), p.transfer("b", b"b1", "")]
     harness.run()
     assert store.take_runs() == []
     held = store.take()
-    assert [(messages[0][0].name, entry_tail(messages[0][1])[3]) for _, messages in held] == [
-        ("a", b"a1"), ("a", b"a2"), ("b", b"b1"), ("a", b"a3")]
+    assert [[(q.name, entry_tail(e)[3]) for q, e in messages] for _, messages in held] == [
+        [("a", b"a1")], [("a", b"fan"), ("b", b"fan")], [("b", b"b1")]]
     release(harness, store, tokens(held))
     assert not p.incomplete(ids)
 

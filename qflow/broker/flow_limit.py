@@ -163,6 +163,8 @@ class FlowLimit:
 # each of the transfer's queues that carry the holder).
 Held = tuple[int, tuple[tuple["Queue", Entry], ...]]
 # A run of holds of one queue's transfers, a message each (Holder.take_runs): (queue, tokens, entries).
+# They come from one run of transfer frames (native/transfers.h), so the entries have the same
+# exchange, routing key and properties, but for a message id.
 HeldRun = tuple["Queue", list[int], list[Entry]]
 # What a holder may be told of dequeues: (queue, the entries dequeued from it).
 Dequeued = Callable[["Queue", Sequence[Entry]], None]
@@ -497,19 +499,28 @@ class FlowControl:
             holder.wake()
 
     def _runs_only(self, holds: list[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> bool:
-        """The usual input of a durable queue: every hold is an OP_HOLD of
-        ``runs``, all on one queue, all of one unnamed outside holder. Then it
-        gets them as one uniform run (Holder.take_runs) and this returns True;
-        else False, with nothing done."""
-        q = runs[0][2]
-        if len(holds) * 4 != sum(map(_run_ops, runs)) or not all(r[2] is q for r in runs) \
-                or holds[0][3] in self.queues or not self._one_holder(holds):
+        """The usual input of durable queues: every hold is an OP_HOLD of
+        ``runs``, all of one unnamed outside holder. Then it gets one uniform
+        run per run of the log (Holder.take_runs) and this returns True; else
+        False, with nothing done."""
+        if len(holds) * 4 != sum(map(_run_ops, runs)) or holds[0][3] in self.queues or not self._one_holder(holds):
             return False
         holder = self.holders[holds[0][3]]
         if holder.label is not None:
             return False
+        indices = list(map(_op_index_of, holds))
         tokens = list(map(_token_of, holds))
-        holder.runs.append((q, tokens, list(map(seqs.__getitem__, map(_op_index_of, holds)))))
+        entries = list(map(seqs.__getitem__, indices))
+        given: list[HeldRun] = []
+        i = 0
+        for start, nops, q in runs:
+            n = nops // 4
+            # Its holds, in op order: the first and the last at its first and last OP_HOLD (one op in four).
+            if indices[i] != start + 2 or indices[i + n - 1] != start + nops - 2:
+                return False
+            given.append((q, tokens, entries) if n == len(holds) else (q, tokens[i:i + n], entries[i:i + n]))
+            i += n
+        holder.runs += given
         holder.wake()
         return True
 

@@ -190,15 +190,12 @@ class MessageStore:
         """Stage the holds given since the last call; the others wait in ``_now``
         (released by prepare(): not here, which may run in the middle of a batch)."""
         for q, tokens, entries in self.holder.take_runs():  # the usual input: no Python call per transfer
-            try:
-                persistent = all(map(bytes.startswith, entries, repeat(self._persistent_head),
-                                     repeat(ENTRY_HEAD_SIZE)))
-            except TypeError:  # an entry that is not bytes: the general path takes it
-                persistent = False
-            if persistent:
+            # One run of transfer frames: the same properties but for a message id, so the first
+            # message says whether all are persistent (flow_limit.HeldRun).
+            if self._is_persistent(entries[0]):
                 self._stage_run(q, entries, tokens)
             else:
-                self.holder.arrived[:0] = [(t, ((q, e),)) for t, e in zip(tokens, entries, strict=True)]
+                self._now += tokens
         held = self.holder.take()
         if not held:
             return
