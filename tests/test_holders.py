@@ -98,8 +98,8 @@ def test_a_run_to_one_held_queue_reaches_its_holder_as_one_uniform_run(harness: 
         assert [seq_of(messages[0][1]) for _, messages in held] == [1, 2, 3, 4]
     else:
         assert len(runs) == 1 and runs[0][0] is q
-        _, tokens_, entries = runs[0]
-        assert [seq_of(e) for e in entries] == [1, 2, 3, 4]
+        _, tokens_, entries, seqs = runs[0]
+        assert [seq_of(e) for e in entries] == list(seqs) == [1, 2, 3, 4]
         assert [entry_tail(e) for e in entries] == [("", "q", None, b"body")] * 4
         assert store.take() == []
     assert len(set(tokens_)) == 4
@@ -124,10 +124,10 @@ def test_runs_to_two_held_queues_in_one_batch_arrive_as_one_run_each(harness: Ha
         held = store.take()
     else:
         runs = store.take_runs()
-        assert [(q.name, [entry_tail(e)[3] for e in entries]) for q, _, entries in runs] == [
-            ("a", [b"a1", b"a2"]), ("b", [b"b1"]), ("a", [b"a3"])]
+        assert [(q.name, [entry_tail(e)[3] for e in entries], list(seqs)) for q, _, entries, seqs in runs] == [
+            ("a", [b"a1", b"a2"], [1, 2]), ("b", [b"b1"], [1]), ("a", [b"a3"], [3])]
         assert store.take() == []
-        held = [(t, ((q, e),)) for q, tokens_, entries in runs for t, e in zip(tokens_, entries, strict=True)]
+        held = [(t, ((q, e),)) for q, tokens_, entries, _ in runs for t, e in zip(tokens_, entries, strict=True)]
     assert [(messages[0][0].name, entry_tail(messages[0][1])[3]) for _, messages in held] == [
         ("a", b"a1"), ("a", b"a2"), ("b", b"b1"), ("a", b"a3")]
     release(harness, store, tokens(held))

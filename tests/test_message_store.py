@@ -118,6 +118,36 @@ def test_accepted_messages_are_removed_from_the_journal(harness, tmp_path):
     assert recovered(tmp_path) == {}
 
 
+def test_messages_accepted_before_their_commit_are_never_written_and_complete_at_once(harness, tmp_path):
+    """A persistent message consumed and accepted before the store staged it
+    has nothing left to make durable: its transfer completes at the next
+    commit without a write, and no record of it reaches the journal; the
+    others of its run are written as usual."""
+    p = harness.connect().session()
+    declare(p, "dq")
+    store = open_store(harness, tmp_path)
+    ids = [p.transfer("dq", b"m%d" % i, properties=DURABLE) for i in range(6)]
+    harness.run()
+    c = harness.connect().session()
+    c.subscribe("dq", "d", credit=4, accept=P.ACCEPT_EXPLICIT)
+    harness.run()
+    c.accept(c.deliveries[:2] + c.deliveries[3:4])  # 1, 2 and 4, before anything was staged
+    harness.run()
+    assert p.incomplete(ids) == ids
+    commit = store.prepare()
+    harness.broker.flush()
+    harness.run()
+    assert p.incomplete(ids) == [ids[2], ids[4], ids[5]]  # the accepted ones complete with no write
+    assert commit.batch.entries and [int.from_bytes(e[2:10], "big") for e in commit.batch.entries] == [3, 5, 6]
+    assert not commit.batch.deq_seqs  # nothing to remove: they were never written
+    store.journal.write_and_sync(commit.batch)
+    store.finish(commit)
+    harness.broker.flush()
+    harness.run()
+    assert not p.incomplete(ids)
+    assert recovered(tmp_path) == {"dq": [3, 5, 6]}
+
+
 def test_fanout_to_durable_queues_is_one_hold_and_one_body(harness, tmp_path):
     p = harness.connect().session()
     for name in ("a", "b", "c"):

@@ -162,10 +162,10 @@ class FlowLimit:
 # What a holder is handed for each transfer it holds: (its token, the messages held: (queue, entry) for
 # each of the transfer's queues that carry the holder).
 Held = tuple[int, tuple[tuple["Queue", Entry], ...]]
-# A run of holds of one queue's transfers, a message each (Holder.take_runs): (queue, tokens, entries).
-# They come from one run of transfer frames (native/transfers.h), so the entries have the same
-# exchange, routing key and properties, but for a message id.
-HeldRun = tuple["Queue", list[int], list[Entry]]
+# A run of holds of one queue's transfers, a message each (Holder.take_runs): (queue, tokens, entries,
+# their sequence numbers: a range). They come from one run of transfer frames (native/transfers.h), so
+# the entries have the same exchange, routing key and properties, but for a message id.
+HeldRun = tuple["Queue", list[int], list[Entry], range]
 # What a holder may be told of dequeues: (queue, the entries dequeued from it).
 Dequeued = Callable[["Queue", Sequence[Entry]], None]
 
@@ -222,7 +222,7 @@ class Holder:
         arrived, self.arrived = self.arrived, []
         if self.runs:
             runs, self.runs = self.runs, []
-            arrived[:0] = [(token, ((q, entry),)) for q, tokens, entries in runs
+            arrived[:0] = [(token, ((q, entry),)) for q, tokens, entries, _ in runs
                            for token, entry in zip(tokens, entries, strict=True)]
         return arrived
 
@@ -518,7 +518,9 @@ class FlowControl:
             # Its holds, in op order: the first and the last at its first and last OP_HOLD (one op in four).
             if indices[i] != start + 2 or indices[i + n - 1] != start + nops - 2:
                 return False
-            given.append((q, tokens, entries) if n == len(holds) else (q, tokens[i:i + n], entries[i:i + n]))
+            first = seqs[start + 1]  # the first transfer's OP_ENQUEUE: its sequence number
+            given.append((q, tokens, entries, range(first, first + n)) if n == len(holds)
+                         else (q, tokens[i:i + n], entries[i:i + n], range(first, first + n)))
             i += n
         holder.runs += given
         holder.wake()

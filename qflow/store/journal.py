@@ -300,10 +300,11 @@ class Journal:
             live[queue][seq] = group
             group.add(queue, seq, entry)
 
-    def enqueue_run(self, queue: str, entries: Sequence[Entry]) -> None:
+    def enqueue_run(self, queue: str, entries: Sequence[Entry], seqs: Sequence[int] | None = None) -> None:
         """Stage ``entries``, distinct messages, on ``queue``: what
         :meth:`enqueue_fanout` does for each, in one call (a run of transfers
-        to one queue is the usual input)."""
+        to one queue is the usual input). ``seqs``: their sequence numbers, if
+        the caller knows them (else read from the entries)."""
         if not self._recovered:
             raise JournalError("stage after recover(): the journal is not open yet")
         n = len(entries)
@@ -320,7 +321,8 @@ class Journal:
         nbytes = sum(map(len, entries))
         staged.tail_bytes += nbytes - ENTRY_HEAD_SIZE * n
         self._section(OP_ENQUEUE, n)
-        seqs = [seq for (seq,) in map(_seq_tuple, entries)]
+        if seqs is None:
+            seqs = [seq for (seq,) in map(_seq_tuple, entries)]
         live = self._live.setdefault(queue, {})
         if not live.keys().isdisjoint(seqs):
             for seq in seqs:

@@ -28,7 +28,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import itemgetter
+from operator import itemgetter, not_
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -189,11 +189,11 @@ class MessageStore:
     def _stage_arrivals(self) -> None:
         """Stage the holds given since the last call; the others wait in ``_now``
         (released by prepare(): not here, which may run in the middle of a batch)."""
-        for q, tokens, entries in self.holder.take_runs():  # the usual input: no Python call per transfer
+        for q, tokens, entries, seqs in self.holder.take_runs():  # the usual input: no Python call per transfer
             # One run of transfer frames: the same properties but for a message id, so the first
             # message says whether all are persistent (flow_limit.HeldRun).
             if self._is_persistent(entries[0]):
-                self._stage_run(q, entries, tokens)
+                self._stage_run(q, entries, tokens, seqs)
             else:
                 self._now += tokens
         held = self.holder.take()
@@ -259,20 +259,25 @@ class MessageStore:
         self._stage_run(q, list(entries), list(tokens))
         return True
 
-    def _stage_run(self, q: Queue, entries: list[Entry], tokens: list[int]) -> None:
-        """Stage a run of persistent messages to ``q``, one per transfer (``tokens``),
-        but those dequeued already: their holds are let go at once."""
+    def _stage_run(self, q: Queue, entries: list[Entry], tokens: list[int], seqs: Sequence[int] | None = None) -> None:
+        """Stage a run of persistent messages to ``q``, one per transfer (``tokens``;
+        ``seqs``: their sequence numbers, if known), but those dequeued already:
+        their holds are let go at once."""
         early = self._early.get(q.name)
         if early:
-            keep = [seq not in early for (seq,) in map(_seq_tuple, entries)]
-            if not all(keep):
-                self._now.extend(t for t, k in zip(tokens, keep, strict=True) if not k)
+            if seqs is None:
+                seqs = [seq for (seq,) in map(_seq_tuple, entries)]
+            if not early.isdisjoint(seqs):
+                gone = list(map(early.__contains__, seqs))
+                self._now += compress(tokens, gone)
+                keep = list(map(not_, gone))
                 tokens = list(compress(tokens, keep))
                 entries = list(compress(entries, keep))
+                seqs = list(compress(seqs, keep))
                 if not entries:
                     return
-        self._waiting.extend(tokens)
-        self.journal.enqueue_run(q.name, entries)
+        self._waiting += tokens
+        self.journal.enqueue_run(q.name, entries, seqs)
 
     def _is_persistent(self, entry: Entry) -> bool:
         """is_persistent, with the answer for the last persistent message's
