@@ -1003,3 +1003,23 @@ def test_native_matches_python(history):
             same(both, "stats", queue)
         for holder in model.holders:
             same(both, "holds_of", holder)
+
+
+def test_the_native_holds_read_as_a_list_of_tuples_and_by_column():
+    """NativeAccounting.apply gives its holds as HoldRows: equal to the Python
+    twin's list of (op_index, token, session, slot), indexable, iterable, and
+    its ``words`` the same numbers by column (what FlowControl reads)."""
+    py, native = PyAccounting(), NativeAccounting()
+    for acc in (py, native):
+        h = acc.add_holder()
+        q = acc.add_queue()
+    log = oplog((OP_TRANSFER, 7, 1), (OP_ENQUEUE, q, 3), (OP_HOLD, h), (OP_END,),
+                (OP_TRANSFER, 8, 2), (OP_HOLD, h), (OP_END,))
+    expected = py.apply(log)[1]
+    rows = native.apply(log)[1]
+    assert rows == expected and expected == rows and len(rows) == 2
+    assert rows[0] == expected[0] and rows[-1] == expected[1] and rows[:1] == expected[:1]
+    assert list(rows) == expected
+    assert list(rows.words[1::4]) == [token for _, token, _, _ in expected]
+    with pytest.raises(IndexError):
+        rows[2]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 from qflow._accounting_native import ffi, lib
 from qflow.broker.ops import (
@@ -34,6 +35,46 @@ _buffer = ffi.buffer
 _iter_completions = struct.Struct("3q").iter_unpack
 _iter_holds = struct.Struct("4q").iter_unpack
 _iter_transitions = struct.Struct("4Q").iter_unpack
+
+
+class HoldRows(Sequence[Hold]):
+    """An apply's holds as the C accounting wrote them, ``words`` (4 per hold:
+    op index, token, session, slot), made tuples only when read as a
+    sequence: FlowControl takes the usual input (all one holder's) by column
+    (``words[1::4]`` are the tokens), with no tuple per hold."""
+
+    __slots__ = ("words",)
+
+    def __init__(self, words: array) -> None:
+        self.words = words
+
+    def __len__(self) -> int:
+        return len(self.words) >> 2
+
+    def __iter__(self) -> Iterator[Hold]:
+        return _iter_holds(self.words)
+
+    @overload
+    def __getitem__(self, i: int) -> Hold: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Hold]: ...
+    def __getitem__(self, i: int | slice) -> Hold | list[Hold]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("hold index out of range")
+        return tuple(self.words[4 * i:4 * i + 4])  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, HoldRows)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 class NativeAccounting:
@@ -117,7 +158,7 @@ class NativeAccounting:
             lib.acct_drop_session(self._st, session)
 
     # -- the batch ----------------------------------------------------------
-    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]:
+    def apply(self, log: array) -> tuple[list[Completion], Sequence[Hold], list[Transition]]:
         if not ((type(log) is array and log.typecode == "q") or (type(log) is memoryview and log.format == "q")):
             log = array("q", log)  # the odd caller; the broker passes a memoryview cast to 'q'
         rc = lib.acct_apply(self._st, _from_buffer("int64_t[]", log), len(log))
@@ -139,10 +180,14 @@ class NativeAccounting:
         n = out.ncompletions
         return list(_iter_completions(_buffer(out.completions, 24 * n))) if n else []
 
-    def _holds(self) -> list[Hold]:
+    def _holds(self) -> Sequence[Hold]:
         out = self._out
         n = out.nholds
-        return list(_iter_holds(_buffer(out.holds, 32 * n))) if n else []
+        if not n:
+            return []
+        words = array("q")
+        words.frombytes(_buffer(out.holds, 32 * n))
+        return HoldRows(words)
 
     def _transitions(self) -> list[Transition]:
         out = self._out

@@ -449,7 +449,7 @@ class FlowControl:
             self._hold(holds, seqs, runs)
         return completions
 
-    def _hold(self, holds: list[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> None:
+    def _hold(self, holds: Sequence[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> None:
         """Record the holds of an applied log: each queue's tokens and held sessions
         (a session is told when a queue first holds it), or an outside holder's arrivals."""
         queues, sessions = self.queues, self.sessions
@@ -498,18 +498,25 @@ class FlowControl:
         for holder in woken:
             holder.wake()
 
-    def _runs_only(self, holds: list[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> bool:
+    def _runs_only(self, holds: Sequence[Hold], seqs: list[Any], runs: list[tuple[int, int, Queue]]) -> bool:
         """The usual input of durable queues: every hold is an OP_HOLD of
         ``runs``, all of one unnamed outside holder. Then it gets one uniform
         run per run of the log (Holder.take_runs) and this returns True; else
         False, with nothing done."""
-        if len(holds) * 4 != sum(map(_run_ops, runs)) or holds[0][3] in self.queues or not self._one_holder(holds):
+        if len(holds) * 4 != sum(map(_run_ops, runs)):
             return False
-        holder = self.holders[holds[0][3]]
+        words = getattr(holds, "words", None)  # the C accounting's: by column, no tuple per hold
+        slots = words[3::4] if words is not None else list(map(_slot_of, holds))
+        slot = slots[0]
+        if slot in self.queues or slots.count(slot) != len(slots):
+            return False
+        holder = self.holders[slot]
         if holder.label is not None:
             return False
-        indices = list(map(_op_index_of, holds))
-        tokens = list(map(_token_of, holds))
+        if words is not None:
+            indices, tokens = words[0::4], words[1::4].tolist()
+        else:
+            indices, tokens = list(map(_op_index_of, holds)), list(map(_token_of, holds))
         entries = list(map(seqs.__getitem__, indices))
         given: list[HeldRun] = []
         i = 0
@@ -527,7 +534,7 @@ class FlowControl:
         return True
 
     @staticmethod
-    def _one_holder(holds: list[Hold]) -> bool:
+    def _one_holder(holds: Sequence[Hold]) -> bool:
         """Whether every hold of ``holds`` has the first one's slot."""
         slots = list(map(_slot_of, holds))
         return slots.count(slots[0]) == len(slots)
