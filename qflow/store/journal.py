@@ -12,7 +12,10 @@ stages the next batch:
 * :meth:`Journal.write_and_sync` (worker thread, one at a time): encodes the
   batch (in C, ``native/journal.c``, with the GIL released: one call per
   batch, not one per message), ``os.writev`` + ``os.fdatasync``, then unlinks
-  the segments it killed;
+  the segments it killed. A batch that only appends to the open segment
+  (:meth:`Journal.fd_for` says which) may instead go to the native sync
+  thread (qflow.store.sync_thread), which writes the same record without
+  the GIL;
 * :meth:`Journal.committed` (loop, after the sync): the size counter.
 
 :meth:`Journal.commit` does the three in a row for a single-threaded caller.
