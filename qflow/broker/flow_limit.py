@@ -228,9 +228,10 @@ class Holder:
 
     def take_runs(self) -> list[HeldRun]:
         """What :meth:`take` would return first, as uniform runs, the usual
-        input of one durable queue: ``(queue, tokens, entries)``, one message
-        per transfer, each transfer's token with its entry on ``queue`` (no
-        tuple per transfer). :meth:`take` then returns the rest."""
+        input of a durable queue: ``(queue, tokens, entries, seqs)`` (see
+        ``HeldRun``), one message per transfer, each transfer's token with its
+        entry on ``queue`` and its sequence number (no tuple per transfer).
+        :meth:`take` then returns the rest."""
         runs, self.runs = self.runs, []
         return runs
 

@@ -3,6 +3,10 @@ event loop (issue 14, docs/store.md "Group commit, on the loop and off it").
 
 One commit is in flight at a time; whatever the broker stages while a sync
 runs goes into the next one, so the sync rate follows the disk by itself.
+A commit that only appends to the open segment (nearly all) is written by
+the native sync thread (qflow.store.sync_thread), which takes no GIL and
+wakes the task through an eventfd; the others by Journal.write_and_sync in a
+trio worker thread (docs/store.md, "Group commit, on the loop and off it").
 The daemon starts it once the journal is recovered and the durable queues
 are declared::
 
