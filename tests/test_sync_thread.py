@@ -158,3 +158,39 @@ async def test_the_store_task_writes_appends_in_the_thread_and_new_segments_in_p
     assert python_writes == [1], "only the batch that opened segment 1 went through Python"
     assert len(Journal(tmp_path).recover()["q"]) == 3
     await trio.lowlevel.checkpoint()
+
+
+async def test_the_committer_falls_back_to_a_worker_thread_if_the_native_one_cannot_start(
+        tmp_path, monkeypatch, caplog):
+    """No native thread (pthread_create failed): qflowd's store still makes
+    every persistent transfer durable before it completes, through
+    Journal.write_and_sync in a worker thread, and says so once."""
+    from qflow import protocol as P
+    from qflow.server import store_task
+    from qflow.testing import Harness
+
+    def refuse() -> SyncThread:
+        raise OSError(11, "cannot start the journal's sync thread: Resource temporarily unavailable")
+
+    monkeypatch.setattr(store_task.sync_thread, "SyncThread", refuse)
+    monkeypatch.setattr(store_task.sync_thread, "wanted", lambda: True)
+    h = Harness()
+    p = h.connect().session()
+    p.call(P.QUEUE_DECLARE, "dq", True, False, False, {}, False)
+    journal = Journal(tmp_path)
+    journal.recover()
+    written = []
+    real = journal.write_and_sync
+    monkeypatch.setattr(journal, "write_and_sync", lambda batch: written.append(batch) or real(batch))
+    with trio.fail_after(30):  # a guard against a hang, not a timing assertion
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store_task.run_store, h.broker, journal)
+            ids = [p.transfer("dq", b"m%d" % i, properties={"durable": True}) for i in range(20)]
+            h.run()
+            while p.incomplete(ids):
+                await trio.sleep(0.001)
+                h.run()
+            nursery.cancel_scope.cancel()
+    assert written and sum(len(b.entries) for b in written) == 20
+    assert len(Journal(tmp_path).recover()["dq"]) == 20
+    assert "commits are written by a worker thread instead" in caplog.text

@@ -19,6 +19,8 @@ them anyway would be a lie. The daemon should then stop.
 
 from __future__ import annotations
 
+import logging
+
 import trio
 
 from qflow.broker.broker import Broker
@@ -26,6 +28,8 @@ from qflow.store import sync_thread
 from qflow.store.journal import Batch, Journal
 from qflow.store.message_store import MessageStore
 from qflow.store.quota import QuotaLimits
+
+log = logging.getLogger("qflow.store")
 
 
 async def run_store(broker: Broker, journal: Journal, quota: QuotaLimits | None = None,
@@ -40,7 +44,12 @@ async def run_store(broker: Broker, journal: Journal, quota: QuotaLimits | None 
         poked.set()
 
     store = MessageStore(broker, journal, wake, quota)
-    sync = sync_thread.SyncThread() if sync_thread.wanted() else None
+    sync = None
+    if sync_thread.wanted():
+        try:
+            sync = sync_thread.SyncThread()
+        except OSError as exc:  # every commit is then written by a worker thread: slower, as durable
+            log.warning("store: %s; commits are written by a worker thread instead", exc)
     try:
         task_status.started(store)
         while True:

@@ -24,8 +24,9 @@ from qflow.store.journal import Batch, JournalError, encode_native, encoder_for,
 def wanted() -> bool:
     """Whether commits go through the native thread: when the journal's
     encoder is the native one (``$QFLOW_ACCOUNTING`` python keeps every commit
-    on the Python path, so that make test's second pass runs it)."""
-    return encoder_for() is encode_native
+    on the Python path, so that make test's second pass runs it) and the
+    system has eventfd (Linux)."""
+    return encoder_for() is encode_native and hasattr(os, "eventfd")
 
 
 class SyncThread:
