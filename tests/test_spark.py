@@ -397,6 +397,37 @@ def test_replay_after_restart_before_commit(spark: Any, daemon: Daemon, broker: 
     assert sorted(first[k] for k in first if k.rsplit("-", 3)[1] == "0") == [b"r0", b"r1", b"r2", b"r3"]
 
 
+def test_a_restarted_driver_removes_the_committed_batch_its_predecessor_did_not(spark: Any, daemon: Daemon,
+                                                                               broker: str) -> None:
+    """Spark tells a source that batch N is committed while it plans batch
+    N + 1. A driver killed between the two left N's messages in the queue,
+    before every offset the query reads again: the new driver's first batch
+    (start = N's end) removes them. A fresh query's first batch (start = its
+    initial offset) removes nothing."""
+    from pyspark.sql.types import StructType
+
+    from qflow.spark.datasource import SCHEMA
+
+    declare(daemon, "k-in")
+    send(daemon, "k-in", [f"k{i}" for i in range(6)])
+    schema = StructType.fromDDL(SCHEMA)
+    source = QflowDataSource({"broker": broker, "queue": "k-in"})
+    first = source.streamReader(schema)  # the first driver
+    start = first.initialOffset()
+    end = first.latestOffset(start, None)
+    assert len(first.partitions(start, end)) >= 1  # batch 0 is planned: k0..k5
+    assert stats(daemon, "k-in")["msgDepth"] == 6  # nothing removed by a fresh query's first batch
+    # Batch 0 ran and Spark committed it; the driver died before batch 1 was planned (commit(end) never ran).
+    send(daemon, "k-in", ["k6"])
+    second = source.streamReader(schema)  # the new driver resumes from the checkpoint: batch 1 starts at end
+    end1 = second.latestOffset(end, None)
+    second.partitions(end, end1)
+    st = stats(daemon, "k-in")
+    assert (st["msgDepth"], st["firstSequence"]) == (1, 7)  # batch 0's six are gone, batch 1's k6 is there
+    second.partitions(end, end1)  # a second plan in the same driver removes nothing more
+    assert stats(daemon, "k-in")["msgDepth"] == 1
+
+
 def test_write_blocks_on_flow_stopped_queue_until_drained(spark: Any, daemon: Daemon, broker: str) -> None:
     """A Spark write task meets a flow-stopped queue: it waits (no Spark
     timeout fires) and finishes once a consumer drains the queue."""

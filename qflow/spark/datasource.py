@@ -1069,6 +1069,7 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._last: dict | None = None  # for pyspark < 4.2, which passes no start
         self._initial: dict | None = None
         self._latest: dict[str, dict] = {}  # each queue as the last plan saw it, for Spark's progress reports
+        self._planned = False  # whether partitions() ran in this reader (this driver) yet
 
     def _offsets(self, value: dict) -> dict[str, dict]:
         """An offset as {queue: part}; a one-queue offset of an earlier
@@ -1220,6 +1221,14 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 for q, latest in self._latest.items() if q in last}
 
     def partitions(self, start: dict, end: dict) -> list[SequenceSet]:
+        if not self._planned:
+            self._planned = True
+            if start:
+                # Spark runs a batch only after the one before it is committed, and tells the source
+                # so (commit) while it plans the batch after that. A driver that died between the two
+                # left that batch's messages in the queue, before every offset this query will read
+                # again: its first batch here removes them (removing is idempotent).
+                self.commit(start)
         out: list[SequenceSet] = []
         start_parts = self._offsets(start) if start else {}
         for q, part in sorted(self._offsets(end).items()):
