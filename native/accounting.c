@@ -205,6 +205,7 @@ static int reserve_outside(acct_state *st)
 static void reset_output(acct_output *out)
 {
     out->ncompletions = 0;
+    out->floor = 0;
     out->nholds = 0;
     out->ntransitions = 0;
     out->err_op = -1;
@@ -215,7 +216,7 @@ static void reset_output(acct_output *out)
  * like qflow.broker.accounting._add_completion. */
 static void add_completion(acct_output *out, int64_t session, int64_t command_id)
 {
-    if (out->ncompletions) {
+    if (out->ncompletions > out->floor) {
         int64_t *last = out->completions + 3 * (out->ncompletions - 1);
         if (last[0] == session && last[2] != INT64_MAX && last[2] + 1 == command_id) {
             last[2] = command_id;
@@ -298,9 +299,11 @@ static void unhold(acct_state *st, int32_t slot, acct_output *out)
 static int cmp_range(const void *a, const void *b)
 {
     const int64_t *x = a, *y = b;
-    if (x[0] != y[0])
-        return x[0] < y[0] ? -1 : 1;
-    return x[1] < y[1] ? -1 : x[1] > y[1];
+    /* (session, first, last): the order of PyAccounting's tuple sort, ties included */
+    for (int k = 0; k < 3; k++)
+        if (x[k] != y[k])
+            return x[k] < y[k] ? -1 : 1;
+    return 0;
 }
 
 /* Re-add one range, coalescing with the previous one like add_completion. */
@@ -329,9 +332,14 @@ static void group_by_session(acct_output *out, size_t start)
 {
     enum { MAX_SESSIONS = 64 };
     size_t n = out->ncompletions - start;
-    if (n < 2)
-        return;
     int64_t *seg = out->completions + 3 * start;
+    if (n < 2) {
+        if (n == 1) { /* it may still join the range before it */
+            out->ncompletions = start;
+            add_range(out, seg);
+        }
+        return;
+    }
     int64_t sessions[MAX_SESSIONS];
     size_t counts[MAX_SESSIONS];
     size_t ns = 0;
@@ -379,7 +387,7 @@ static void group_by_session(acct_output *out, size_t start)
         free(scratch);
         /* The broker's ids ascend within a session; anything else gets a real sort. */
         for (size_t i = 1; i < n; i++)
-            if (seg[3 * i] == seg[3 * i - 3] && seg[3 * i + 1] < seg[3 * i - 2]) {
+            if (seg[3 * i] == seg[3 * i - 3] && cmp_range(seg + 3 * i, seg + 3 * i - 3) < 0) {
                 qsort(seg, n, 3 * sizeof *seg, cmp_range);
                 break;
             }
@@ -408,11 +416,17 @@ static void release_all(acct_state *st, struct queue *q, acct_output *out)
     q->npending = 0;
     q->generation = (q->generation + 1) & GENERATION_MASK;
     q->held = 0;
+    /* Its completions are grouped among themselves, then joined to the earlier
+     * ones (PyAccounting._release_all): none may first extend an earlier range. */
+    if (out)
+        out->floor = start;
     for (size_t i = 0; i < n; i++)
         if (q->pending[i] >= 0)
             unhold(st, q->pending[i], out);
-    if (out)
+    if (out) {
+        out->floor = 0;
         group_by_session(out, start);
+    }
     if (q->cap_pending > PENDING_KEEP) {
         free(q->pending);
         q->pending = NULL;

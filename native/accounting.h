@@ -48,6 +48,9 @@ typedef struct acct_output {
     size_t ntransitions;
     int64_t err_op;
     int64_t err_value;
+    /* Ranges below this index are closed to add_completion: a release groups
+     * its own completions before they join the ones before it. */
+    size_t floor;
     /* capacities, in records */
     size_t cap_completions;
     size_t cap_holds;

@@ -196,7 +196,9 @@ class Holder:
         self.name = name
         self.control = control
         self.arrived: list[Held] = []  # holds given since the last take()
-        self.runs: list[HeldRun] = []  # uniform runs of holds given since the last take_runs()
+        # Uniform runs of holds given since the last take_runs(). Every one of them came before every
+        # hold in ``arrived`` (FlowControl._runs_only keeps it so), so take() keeps arrival order.
+        self.runs: list[HeldRun] = []
         self.wake = wake or _nothing  # called after an apply that gave it holds
         # Told of every message dequeued from a queue that carries it, as it happens (the store
         # writes the removal); queues without holders pay nothing for it.
@@ -530,7 +532,11 @@ class FlowControl:
             given.append((q, tokens, entries, range(first, first + n)) if n == len(holds)
                          else (q, tokens[i:i + n], entries[i:i + n], range(first, first + n)))
             i += n
-        holder.runs += given
+        if holder.arrived:  # holds given earlier wait as pairs: these come after them, as pairs too
+            holder.arrived += [(token, ((q, entry),)) for q, tokens, entries, _ in given
+                               for token, entry in zip(tokens, entries, strict=True)]
+        else:
+            holder.runs += given
         holder.wake()
         return True
 
