@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 5672
 MGMT_PORT ?= 8672
 
-.PHONY: run test test-repeat install lint bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
+.PHONY: run test test-repeat fuzz install lint bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ N ?= 10
 JOBS ?= 1
 test-repeat: $(STAMP) | $(CHROMIUM)
 	$(PY) tools/test_repeat.py -n $(N) --jobs $(JOBS)
+
+# The differential and model Hypothesis tests, over and over with a fresh seed each round and FUZZ_SCALE
+# times make test's examples, for FUZZ_MINUTES (tools/fuzz.py); prints every failing seed and its replay.
+FUZZ_MINUTES ?= 30
+FUZZ_SCALE ?= 20
+fuzz: $(STAMP)
+	$(PY) tools/fuzz.py --minutes $(FUZZ_MINUTES) --scale $(FUZZ_SCALE)
 
 lint: $(STAMP)
 	$(PY) -m ruff check qflow cli tests bench native tools

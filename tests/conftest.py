@@ -20,6 +20,13 @@ from qflow.testing import Daemon
 from qflow.testing import start as start_daemon
 
 
+def examples(n: int) -> int:
+    """A Hypothesis test's example count: ``n`` in ``make test``, ``n`` times
+    ``QFLOW_FUZZ_SCALE`` under ``make fuzz`` (tools/fuzz.py), which looks far
+    harder for a rare disagreement than CI's one draw can."""
+    return n * max(1, int(os.environ.get("QFLOW_FUZZ_SCALE") or 1))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "native_only: runs once, not again under QFLOW_ACCOUNTING=python")
 

@@ -30,6 +30,7 @@ from qflow.broker.accounting import (
     AccountingError,
     PyAccounting,
 )
+from tests.conftest import examples
 
 # Both implementations are parametrized here, so once is enough (make test
 # runs the suite again under QFLOW_ACCOUNTING=python).
@@ -948,7 +949,7 @@ def set_thresholds(both, queue: int, f: Fields) -> None:
     same(both, "set_thresholds", queue, stop_count, resume_count, stop_size, resume_size)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(HISTORY)
 # Found by seeds 26 and 31: a resume's first completion extended the range completed just before
 # it in C (the release's completions were grouped only after), never in Python.

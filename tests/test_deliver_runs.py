@@ -24,7 +24,7 @@ from qflow.protocol import entries as E
 from qflow.protocol.entries import ENTRY_HEAD, EntryError, scan_entries_python
 from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder
 from qflow.server.pump import ConnectionPump
-from tests.conftest import stats_but_incarnation
+from tests.conftest import examples, stats_but_incarnation
 
 pack = msgpack.Packer(use_bin_type=True).pack
 
@@ -97,7 +97,7 @@ entry_st = st.builds(
     st.text(max_size=40), st.sampled_from([None, {}, {"message_id": "m", "headers": {"k": [1, {"n": None}]}}]))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(entry_st, max_size=6), st.data())
 def test_native_and_python_scanners_agree(entries, data):
     """The same offsets for any blob, or the same refusal: whole blobs, blobs
@@ -189,7 +189,7 @@ _command_st = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_command_st, max_size=25), st.sampled_from([4096, 1 << 20]))
 def test_runs_change_the_framing_only(commands, max_frame):
     """Random transfers, credit (messages and bytes), accepts and releases,
@@ -328,7 +328,7 @@ def test_a_message_reads_its_fields_from_the_run():
         _Deliveries(None, [P.DELIVER_RUN, 0, "d", 40, 3, blob])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(entry_st, max_size=8))
 def test_total_size_native_and_python_agree(entries):
     """The broker's dequeue of many entries counts their sizes in C: each the

@@ -19,6 +19,7 @@ from qflow.protocol.framing import (
     FrameTooLarge,
     FramingError,
 )
+from tests.conftest import examples
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 
@@ -381,7 +382,7 @@ def test_take_is_a_copy() -> None:
 # -- fuzz ----------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prefix=st.lists(st.sampled_from(FRAMES), max_size=3),
     junk=st.binary(max_size=3000),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, encode_tail, redelivered, seq_of
 from qflow.store.journal import OP_DELETE, OP_ENQUEUE, SUFFIX, Batch, Journal, JournalError
+from tests.conftest import examples
 
 
 def entry(seq: int, body: bytes, queue: str = "q", flag: int = REDELIVERED_NO) -> bytes:
@@ -334,7 +335,7 @@ def _run(directory: Path, steps: list[tuple], segment_size: int) -> tuple[Journa
     return j, m
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(op, max_size=60), last=st.lists(op, max_size=15), cut=st.floats(0, 1),
        segment_size=st.sampled_from([256, 1024, 1 << 20]))
 def test_model_a_crash_cut_at_any_byte_of_the_last_write_recovers_the_committed_state(
@@ -384,7 +385,7 @@ def _replay(batches: list[Batch]) -> dict[str, list[bytes]]:
     return {q: [m[s] for s in sorted(m)] for q, m in state.items() if m}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(op, min_size=1, max_size=60), pick=st.floats(0, 1), byte=st.floats(0, 1))
 def test_model_a_torn_record_in_the_middle_keeps_exactly_the_batches_before_it(tmp_path_factory, steps, pick, byte):
     """A byte flipped inside one committed batch record (segments big enough

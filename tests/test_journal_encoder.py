@@ -24,6 +24,7 @@ from qflow.store.journal import (
     encode_python,
     encoder_for,
 )
+from tests.conftest import examples
 
 
 def entry(seq: int, body: bytes, queue: str, props: dict | None = None) -> bytes:
@@ -98,7 +99,7 @@ step = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(step, min_size=1, max_size=25))
 def test_records_encoded_in_c_are_the_python_encoders_bytes_and_decode_to_what_was_staged(tmp_path_factory, steps):
     """Random staging (runs, fanouts, dequeues, deletes, on queues with

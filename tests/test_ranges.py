@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qflow.protocol.ranges import RangeSet
+from tests.conftest import examples
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 
@@ -176,7 +177,7 @@ ops = st.lists(st.tuples(st.integers(min_value=0, max_value=200), st.integers(mi
                max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops=ops, probe=st.integers(min_value=0, max_value=215))
 def test_matches_a_plain_set(ops: list[tuple[int, int]], probe: int) -> None:
     rs = RangeSet()

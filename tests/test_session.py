@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from qflow.protocol.commands import _MISSING, IncomingCommands, OutgoingCommands
 from qflow.protocol.ranges import RangeSet
+from tests.conftest import examples
 
 pytestmark = pytest.mark.native_only  # no accounting here: nothing differs under QFLOW_ACCOUNTING=python
 
@@ -225,7 +226,7 @@ def test_completed_handles_huge_ranges_without_iterating_them() -> None:
 # -- both sides ----------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(data=st.data(), n=st.integers(min_value=1, max_value=30))
 def test_reports_reach_the_client(data: st.DataObject, n: int) -> None:
     """Broker completes in random order with random syncs and report points; the client learns of every
@@ -303,7 +304,7 @@ class _DictModel:
         return counts
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.one_of(
     st.tuples(st.just("send"), st.sampled_from(["a", "a", "a", "b", None]), st.integers(1, 20)),
     st.tuples(st.just("complete"), st.lists(st.tuples(st.integers(0, 120), st.integers(0, 30)), max_size=3)),

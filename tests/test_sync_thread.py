@@ -20,6 +20,7 @@ from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, encode_tail, rede
 from qflow.server.store_task import _write
 from qflow.store.journal import Journal, JournalError
 from qflow.store.sync_thread import SyncThread, crc32
+from tests.conftest import examples
 
 
 def entry(seq: int, body: bytes, queue: str = "q") -> bytes:
@@ -41,7 +42,7 @@ def wait_done(sync: SyncThread) -> None:
 
 
 @given(st.binary(max_size=3000), st.integers(0, 0xFFFFFFFF))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_its_crc32_is_zlibs(data, start):
     """Recovery checks records with zlib.crc32: the thread's must be the same function."""
     assert crc32(data) == zlib.crc32(data)

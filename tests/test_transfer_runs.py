@@ -20,7 +20,7 @@ from qflow.protocol.framing import PROTOCOL_HEADER, READ_SIZE
 from qflow.protocol.names import name_problem
 from qflow.server import pump as server
 from qflow.server.pump import ConnectionPump
-from tests.conftest import stats_but_incarnation
+from tests.conftest import examples, stats_but_incarnation
 
 pytestmark = pytest.mark.native_only  # the accounting is the same either way; once is enough
 
@@ -147,7 +147,7 @@ def _same_with_and_without_runs(frames: bytes, cuts: list[int], run_retry: int) 
     assert with_runs == without
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(frame_st, st.integers(1, 12)), max_size=40), st.data())
 def test_runs_change_nothing_but_speed(items, data):
     frames = b"".join(f * n for f, n in items)  # repeats make runs
@@ -367,7 +367,7 @@ def _frames(data: bytes) -> list:
     return list(unpacker)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.just(""), st.text(min_size=1, max_size=30).filter(
     lambda s: not s.startswith("amq.") and name_problem(s) is None)),  # a name an exchange.declare accepts
        st.text(max_size=300), properties_st, body_st, st.booleans(), st.sampled_from([1, 2, 4]),
