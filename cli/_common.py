@@ -17,7 +17,7 @@ import re
 import socket
 import ssl
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -518,13 +518,15 @@ def bar_logging(bar: Any) -> Any:
     return logging_redirect_tqdm()
 
 
-def held_text(held_by: dict[str, float], now: float) -> str:
-    """"held 12s by orders": the longest flow-control hold of a session (``held_by``: queue -> since)."""
+def held_text(held_by: dict[str, float], now: float, holders: Container[str] = ()) -> str:
+    """"held 12s by orders": the longest flow-control hold of a session
+    (``held_by``: queue or holder -> since); a broker-wide holder (``holders``)
+    reads "held 12s by the store disk quota"."""
     if not held_by:
         return ""
-    queue, since = min(held_by.items(), key=lambda item: item[1])
+    name, since = min(held_by.items(), key=lambda item: item[1])
     more = f" (+{len(held_by) - 1})" if len(held_by) > 1 else ""
-    return f"held {duration(max(0.0, now - since))} by {queue}{more}"
+    return f"held {duration(max(0.0, now - since))} by {'the ' if name in holders else ''}{name}{more}"
 
 
 def single_error(group: BaseExceptionGroup) -> BaseException:
@@ -535,7 +537,7 @@ def single_error(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
-async def show_held(bar: Any, held_by: dict[str, float], interval: float = 0.5) -> None:
+async def show_held(bar: Any, held_by: dict[str, float], holders: Container[str] = (), interval: float = 0.5) -> None:
     """Keep ``bar``'s postfix saying how long flow control has held the sender
     (a held sender's count does not move, so the bar itself would look stuck)."""
     import trio
@@ -544,7 +546,7 @@ async def show_held(bar: Any, held_by: dict[str, float], interval: float = 0.5) 
         return
     shown = ""
     while True:
-        text = held_text(held_by, trio.current_time())
+        text = held_text(held_by, trio.current_time(), holders)
         if text != shown:
             bar.set_postfix_str(text)
             shown = text

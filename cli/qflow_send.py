@@ -129,7 +129,7 @@ async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]
             with bar_logging(bar):
                 try:
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(show_held, bar, ssn.held_by)
+                        nursery.start_soon(show_held, bar, ssn.held_by, ssn.holders)
                         stamp = time.time_ns if args.timestamp else None
                         for body in bodies(args):
                             if stamp is None:

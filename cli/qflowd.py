@@ -54,7 +54,7 @@ from qflow.server.admission import ConnectionLimits
 from qflow.server.daemon import AclFileError, ListenError, TlsError, run
 from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, available_memory
 from qflow.store import StoreError
-from qflow.store.journal import DEFAULT_SEGMENT_SIZE
+from qflow.store.journal import DEFAULT_SEGMENT_SIZE, SMALLEST_JOURNAL
 from qflow.store.quota import QuotaError, QuotaLimits
 from qflow.store.sasl_db import SaslDbError
 
@@ -243,8 +243,9 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                        help="held producers are released once the journal is below this size "
                             "(default: the overfull size)")
     store.add_argument("--store-segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, metavar="BYTES",
-                       help="size of the journal's segment files; the journal shrinks a segment at a time, so "
-                            f"keep the quota's two sizes several segments apart (default {DEFAULT_SEGMENT_SIZE})")
+                       help="size of the journal's segment files: it frees space a segment at a time, and, "
+                            "while over the quota, by copying what is queued to a new segment once that fits "
+                            f"under the underfull size (default {DEFAULT_SEGMENT_SIZE})")
     memory = p.add_argument_group("memory alarm (RabbitMQ's vm_memory_high_watermark)")
     memory.add_argument("--memory-high-watermark", default=str(DEFAULT_HIGH_SHARE), metavar="BYTES|FRACTION",
                         help="above this much resident memory every producer is held until the alarm clears: a "
@@ -288,6 +289,7 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                     "nothing is stored")
     try:
         args.store_quota = QuotaLimits(args.store_overfull_size, args.store_underfull_size)
+        args.store_quota.check_reachable(SMALLEST_JOURNAL)
     except QuotaError as exc:
         p.error(str(exc))
     if not MIN_SEGMENT_SIZE <= args.store_segment_size <= MAX_SEGMENT_SIZE:

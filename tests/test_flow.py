@@ -471,7 +471,7 @@ async def test_blocked_send_warns_every_notify_period(running, ssn, caplog):
     with pytest.raises(qflow.FlowControlTimeout):
         await sender.send(b"3")
     warnings = [r.getMessage() for r in caplog.records if "delayed" in r.getMessage()]
-    assert warnings and all("flow control on queue slowq" in w for w in warnings)
+    assert warnings and all("broker flow control: held by queue slowq" in w for w in warnings)
 
 
 async def test_modify_with_both_stops_zero_turns_flow_control_off(running, ssn):

@@ -27,8 +27,9 @@ import trio
 import qflow
 from qflow import protocol as P
 from qflow.management import ManagementApi
-from qflow.store.journal import Journal
-from qflow.store.message_store import MessageStore
+from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, encode_tail, redelivered
+from qflow.store.journal import SMALLEST_JOURNAL, Journal
+from qflow.store.message_store import DISK_QUOTA, MessageStore
 from qflow.store.quota import QuotaError, QuotaLimits, StoreQuota
 from qflow.testing import Harness
 from tests.conftest import table_columns
@@ -193,6 +194,92 @@ def test_the_journal_shrinks_below_underfull_past_a_pinned_message(tmp_path: Pat
     again.close()
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["drained", "a message left on another queue"])
+def test_a_quota_below_the_segment_size_clears_once_consumers_drain(tmp_path: Path, pinned: bool) -> None:
+    # The Java broker manual: "When consumers consume the messages, causing disk space usage to falls below
+    # the underflow limit, the producers are unblocked and continue working as normal." Space comes back a
+    # segment at a time, so with a quota below one segment the open segment must be rewritten to its live
+    # messages (Journal.compact_to_fit) once that is under underfull, or no segment ever ends.
+    harness = Harness()
+    p = harness.connect().session()
+    declare(p, "dq")
+    declare(p, "other")
+    journal = Journal(tmp_path, segment_size=1 << 20)  # 1 MiB segments, a 20 kB quota
+    journal.recover()
+    store = MessageStore(harness.broker, journal, quota=QuotaLimits(overfull=20_000, underfull=8_000))
+    if pinned:  # never consumed: the journal is never empty, it can only shrink to what is live
+        p.transfer("other", b"pinned" * 100, properties=DURABLE)
+    sent = []
+    while not store.quota.overfull:
+        sent.append(p.transfer("dq", b"x" * 500, properties=DURABLE))
+        harness.run()
+        store.commit_inline()
+        harness.run()
+    held = p.incomplete(sent)
+    assert held and store.journal.size_on_disk() > 20_000
+    c = harness.connect().session()
+    c.subscribe("dq", "d", credit=-1, accept=P.ACCEPT_EXPLICIT)
+    sizes = []
+    for delivery in list(c.deliveries):
+        c.accept([delivery])
+        store.commit_inline()
+        harness.run()
+        sizes.append(store.journal.size_on_disk())
+        if not store.quota.overfull:
+            break
+    else:  # the rewrite is asked for by the last commit: its own commit follows
+        store.commit_inline()
+        harness.run()
+    assert not store.quota.overfull, sizes
+    assert p.incomplete(held) == []  # the producer goes on
+    assert store.journal.size_on_disk() < 8_000
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.jrn")) == store.journal.size_on_disk()
+    # The rewrite kept exactly what is live: the unconsumed messages, the pinned one included.
+    store.journal.close()
+    again = Journal(tmp_path)
+    recovered = again.recover()
+    again.close()
+    assert len(recovered.get("dq", [])) == harness.broker.queues["dq"].count
+    assert len(recovered.get("other", [])) == (1 if pinned else 0)
+
+
+def test_compaction_is_asked_for_only_when_it_clears_the_quota(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, segment_size=1 << 20)
+    journal.recover()
+    entries = [ENTRY_HEAD.pack(REDELIVERED_NO, 0xCF, seq, 0xCF, 500) + encode_tail("", "q", {"durable": True}, b"y" * 500)
+               for seq in range(1, 41)]
+    journal.enqueue_run("q", entries)
+    journal.commit()
+    size = journal.size_on_disk()
+    assert not journal.compact_to_fit(size)  # under the limit already
+    assert not journal.compact_to_fit(size // 2)  # everything is live: a rewrite would not get under it
+    journal.dequeue_many("q", entries[:35])
+    journal.commit()
+    assert journal.compact_to_fit(4_000)  # 5 live messages fit under 4 kB
+    assert not journal.compact_to_fit(4_000)  # asked for once
+    journal.commit()
+    assert journal.size_on_disk() < 4_000
+    assert [p.name for p in sorted(tmp_path.glob("*.jrn"))] == ["00000002.jrn"]
+    journal.close()
+    again = Journal(tmp_path)
+    assert again.recover()["q"] == [redelivered(e) for e in entries[35:]]
+    again.close()
+
+
+def test_a_quota_that_could_never_clear_is_refused() -> None:
+    # The store can never be smaller than an empty journal: an underfull limit at or below that would hold
+    # the producers for ever once overfull.
+    with pytest.raises(QuotaError) as raised:
+        QuotaLimits(1000, SMALLEST_JOURNAL).check_reachable(SMALLEST_JOURNAL)
+    assert str(raised.value) == (f"--store-underfull-size {SMALLEST_JOURNAL} can never be cleared: an empty store "
+                                 f"takes {SMALLEST_JOURNAL} bytes, so --store-underfull-size (default: "
+                                 "--store-overfull-size) must be above it")
+    with pytest.raises(QuotaError, match="^--store-overfull-size 40 can never be cleared"):
+        QuotaLimits(40).check_reachable(SMALLEST_JOURNAL)
+    QuotaLimits(1000, SMALLEST_JOURNAL + 1).check_reachable(SMALLEST_JOURNAL)
+    QuotaLimits().check_reachable(SMALLEST_JOURNAL)  # no quota
+
+
 # -- a real qflowd ------------------------------------------------------------------------------------------------
 QUOTA = ("--store-segment-size", "4096", "--store-overfull-size", "20000", "--store-underfull-size", "8000")
 
@@ -300,12 +387,13 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
                 # The session names its holder: in the API, in qflow-stat -c and in the client's held_by.
                 (held,) = [s for c in api(d, "GET", "/api/connections")[1] for s in c["sessions"]
                            if s["senderCapacity"] == capacity]
-                assert [h.get("holder") for h in held["heldBy"]] == ["store overfull"], held
-                assert list(ssn.held_by) == ["store overfull"]
+                assert [h.get("holder") for h in held["heldBy"]] == [DISK_QUOTA], held
+                assert list(ssn.held_by) == [DISK_QUOTA] and ssn.holders == {DISK_QUOTA}
+                assert ssn.held_text() == "the store disk quota"
                 stat = await trio.to_thread.run_sync(lambda: subprocess.run(
                     [sys.executable, "-m", "qflow.cli.qflow_stat", "-c", "-b", f"127.0.0.1:{d.port}"],
                     capture_output=True, text=True, timeout=TIMEOUT))
-                assert re.search(r" 10 +10 +0 +store overfull \(\d", stat.stdout), stat.stdout
+                assert re.search(r" 10 +10 +0 +store disk quota \(\d", stat.stdout), stat.stdout
                 (logged,) = re.findall(r"store overfull: (\d+) bytes > 20000, flow control enforced", d.log())
                 assert 20000 < int(logged) <= broker["storeSize"]
                 assert sent == stopped_at
@@ -424,3 +512,122 @@ def test_the_management_api_shows_the_store_and_no_store(tmp_path: Path) -> None
     # Without a data directory there is no store: nothing on disk, never overfull.
     view = json.loads(ManagementApi(Harness().broker).handle("GET", b"/api/broker").body)
     assert (view["storeSize"], view["storeOverfull"], view["storeOverfullCount"]) == (0, False, 0)
+
+
+# -- the operator's scenario, with the tools --------------------------------------------------------------------
+OPERATOR_QUOTA = ("--store-overfull-size", "2000000", "--store-underfull-size", "1000000")
+
+
+def _lines(n: int) -> str:
+    return "".join(f"{i:06d}" + "x" * 993 + "\n" for i in range(n))  # 1,000 bytes a message
+
+
+async def _wait_overfull(d) -> dict:
+    return await wait_for("the store to go overfull", lambda: api(d, "GET", "/api/broker")[1]["storeOverfull"]
+                          and api(d, "GET", "/api/broker")[1])
+
+
+@pytest.mark.parametrize("segment", [(), ("--store-segment-size", "65536")],
+                         ids=["quota below the segment size", "quota above the segment size"])
+async def test_a_held_producer_finishes_once_the_consumer_drains(tmp_path: Path, segment: tuple[str, ...]) -> None:
+    # docs/operators.md's options as a new user sets them: a 2 MB quota, 1 MB underfull, 6,000 messages of
+    # 1,000 bytes through qflow-send --capacity 20 and qflow-receive. The store goes overfull, the producer
+    # is held, the consumer drains: the producer must finish, with every message received in order.
+    from tests.test_tools import command, run
+
+    data_dir = tmp_path / "data"
+    d = qflowd(data_dir, *OPERATOR_QUOTA, *segment)
+    try:
+        broker = d.address
+        done = run("qflow-config", "-b", broker, "add", "queue", "big", "--durable")
+        assert done.returncode == 0, done.stderr
+        lines = _lines(6000)
+        sender = subprocess.Popen(command("qflow-send") + ["-b", broker, "-a", "big", "--content-stdin",
+                                                           "--capacity", "20", "--durable", "yes"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            writer = trio.to_thread.run_sync(sender.communicate, lines, TIMEOUT)
+            async with trio.open_nursery() as nursery:
+                result: list = []
+
+                async def send() -> None:
+                    result.append(await writer)
+
+                nursery.start_soon(send)
+                held = await _wait_overfull(d)
+                assert held["storeSize"] > 2_000_000
+                # The held session says what holds it: the store's disk quota, not a queue.
+                (session,) = [s for c in api(d, "GET", "/api/connections")[1] for s in c["sessions"]
+                              if s["senderCapacity"] == 20]
+                assert [h.get("holder") for h in session["heldBy"]] == [DISK_QUOTA]
+                received = await trio.to_thread.run_sync(lambda: run(
+                    "qflow-receive", "-b", broker, "-a", "big", "--messages", "6000", "--timeout", "10"))
+            out, err = result[0]
+        finally:
+            if sender.poll() is None:
+                sender.kill()
+        assert sender.returncode == 0, err
+        assert received.returncode == 0, received.stderr
+        assert received.stdout == lines  # all 6,000, in order
+        broker_view = await wait_for("the store to be below underfull and its files to agree", lambda: (
+            (b := api(d, "GET", "/api/broker")[1])["storeSize"] < 1_000_000
+            and journal_bytes(data_dir) == b["storeSize"] and b))
+        assert broker_view["storeOverfull"] is False
+        assert broker_view["totals"]["msgDepth"] == 0
+        assert broker_view["storeOverfullCount"] >= 1
+    finally:
+        d.stop()
+    assert d.proc.returncode == 0
+
+
+@pytest.mark.parametrize("segment", [(), ("--store-segment-size", "65536")],
+                         ids=["quota below the segment size", "quota above the segment size"])
+async def test_a_restart_over_quota_keeps_every_completed_message_and_clears_when_drained(
+        tmp_path: Path, segment: tuple[str, ...]) -> None:
+    # qflowd is killed (SIGKILL) while overfull with a producer held. The restarted broker is overfull from
+    # its recovered journal, has every message whose transfer completed (and the held ones: they were on
+    # disk before they were held), and clears once a consumer drains the queue.
+    data_dir = tmp_path / "data"
+    d = qflowd(data_dir, *OPERATOR_QUOTA, *segment)
+    sent = completed = 0
+    body = b"%06d" + b"." * 994
+    try:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", durable=True)
+            sender = ssn.sender("q", capacity=20, durable=True)
+
+            async def produce() -> None:
+                nonlocal sent
+                while True:
+                    await sender.send(body % sent)
+                    sent += 1
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce)
+                await wait_held(d, sender, lambda: sent)
+                completed = sent - sender.incomplete
+                d.kill()
+                nursery.cancel_scope.cancel()
+    except qflow.ConnectionClosed:
+        pass
+    finally:
+        d.kill()
+    assert completed > 0
+    d = qflowd(data_dir, *OPERATOR_QUOTA, *segment)
+    try:
+        broker = api(d, "GET", "/api/broker")[1]
+        assert broker["storeOverfull"] is True
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            receiver = await ssn.receiver("q", capacity=50)
+            got = [(await receiver.fetch(timeout=TIMEOUT)).body for _ in range(sent)]
+            await receiver.close()
+        assert got[:completed] == [body % i for i in range(completed)]  # every completed one, in order
+        assert got == [body % i for i in range(sent)]  # and the held ones, synced before they were held
+        broker = await wait_for("the quota to clear after the drain", lambda: (
+            not (b := api(d, "GET", "/api/broker")[1])["storeOverfull"] and b["storeSize"] < 1_000_000 and b),
+            state=lambda: api(d, "GET", "/api/broker")[1])
+        assert broker["totals"]["msgDepth"] == 0
+    finally:
+        d.stop()

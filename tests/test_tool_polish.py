@@ -128,12 +128,14 @@ def test_held_text() -> None:
     assert held_text({}, 10.0) == ""
     assert held_text({"orders": 10.0}, 22.5) == "held 12s by orders"
     assert held_text({"a": 5.0, "b": 1.0}, 200.0) == "held 3m19s by b (+1)"  # the longest hold first
+    # A broker-wide holder is not a queue: it reads as what it is.
+    assert held_text({"store disk quota": 2.0}, 4.0, {"store disk quota"}) == "held 2s by the store disk quota"
 
 
 def test_log_lines_go_above_the_bar_never_across_it() -> None:
     """The tools log to stderr, where the bar is: tqdm clears the bar, writes the line, draws the bar again."""
     stream = io.StringIO()
-    message = "send delayed by 5s due to broker flow control on queue orders"
+    message = "send delayed by 5s due to broker flow control: held by queue orders"
     root = logging.getLogger()
     with contextlib.redirect_stderr(stream):
         handler = logging.StreamHandler()  # sys.stderr, as logging.basicConfig in qflow-send
@@ -151,3 +153,14 @@ def test_log_lines_go_above_the_bar_never_across_it() -> None:
     parts = re.split(r"[\r\n]", stream.getvalue())
     assert f"qflow-send: {message}" in parts  # a line of its own: the bar was cleared first
     assert any("held 5s by orders" in p for p in parts)
+
+
+def test_a_sessions_holds_name_queues_as_queues_and_holders_as_holders() -> None:
+    from qflow.client.session import describe_holds
+
+    held_by = {"orders": 5.0, "store disk quota": 1.0}  # name -> since: the longest hold first
+    assert describe_holds(held_by, {"store disk quota"}) == "the store disk quota, queue orders"
+    assert describe_holds({"memory alarm": 1.0}, {"memory alarm"}) == "the memory alarm"
+    # A queue may be called anything, even what a holder is called: only the broker's flag makes a holder.
+    assert describe_holds({"memory alarm": 1.0}, set()) == "queue memory alarm"
+    assert describe_holds({}, set()) == ""

@@ -405,7 +405,7 @@ class FlowControl:
             ssn.holder_since[label] = time.time()
         else:
             ssn.holder_since.pop(label, None)
-        ssn.out.flow_notice(label, held)
+        ssn.out.flow_notice(label, held, True)
         self.dirty[ssn] = None
 
     def hold(self, queues: Sequence[Queue]) -> None:

@@ -55,7 +55,7 @@ class BrokerSession:
         self.closed = False
         self.last_queues: Any = None  # the destinations of its last transfer
         self.held_since: dict[str, float] = {}  # queue name -> wall time it began holding us (management view)
-        # A named outside holder ("memory alarm", "store overfull") -> wall time it began holding us
+        # A named outside holder ("memory alarm", "store disk quota") -> wall time it began holding us
         self.holder_since: dict[str, float] = {}
 
     def take_unacked(self, first: int, last: int) -> tuple[list[Queue], list[Entry]]:

@@ -435,7 +435,7 @@ class Connection:
         elif kind is Failed:
             ssn._exception(event.command_id, event.code, event.text)
         elif kind is FlowNotice:
-            ssn._flow_notice(event.queue, event.held)
+            ssn._flow_notice(event.queue, event.held, event.holder)
         elif kind is SessionAttached:
             ssn._attached.set()
         elif kind is SessionDetached:

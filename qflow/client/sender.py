@@ -24,7 +24,6 @@ from qflow import protocol as P
 from qflow.client.errors import FlowControlTimeout, QflowError, ResourceLimitExceeded
 from qflow.client.pacing import pace
 from qflow.protocol.encodings import bin_header, str_header, transfer_prefix, transfer_prefix_around_id
-from qflow.protocol.names import printable
 
 if TYPE_CHECKING:
     from qflow.client.session import Session
@@ -434,13 +433,13 @@ class Sender:
                 await self._space.wait()
                 continue
             now = trio.current_time()
-            held = ", ".join(sorted(self.session.held_by)) or "none"
+            held = self.session.held_text()
             if now >= deadline:
                 raise FlowControlTimeout(
                     P.RESOURCE_LIMIT_EXCEEDED,
-                    f"send timed out after {now - started:.0f}s waiting for broker flow control (queues: {held})")
+                    f"send timed out after {now - started:.0f}s waiting for broker flow control (held by {held})")
             if self.session.held_by:
-                log.warning("send delayed by %.0fs due to broker flow control on queue %s", now - started, printable(held))
+                log.warning("send delayed by %.0fs due to broker flow control: held by %s", now - started, held)
             next_notice += self.flow_notify
         self._raise_errors()
 

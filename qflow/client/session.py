@@ -4,6 +4,7 @@ the queue and exchange commands, and the senders and receivers made on it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -45,7 +46,9 @@ class Session:
         self.commands = OutgoingCommands()
         self.senders: list[Sender] = []
         self.receivers: dict[str, Receiver] = {}
-        self.held_by: dict[str, float] = {}  # queue -> trio time its flow notice arrived
+        self.held_by: dict[str, float] = {}  # queue or holder -> trio time its flow notice arrived
+        # The names in held_by that are broker-wide holders (the memory alarm, the store's disk quota), not queues.
+        self.holders: set[str] = set()
         self.error: ConnectionClosed | None = None
         self._attached = trio.Event()  # set by session.attached, or _shutdown
         self._next_destination = 0
@@ -76,11 +79,19 @@ class Session:
         else:
             log.warning("broker refused command %d: %s", cid, printable(err))
 
-    def _flow_notice(self, queue: str, held: bool) -> None:
+    def _flow_notice(self, name: str, held: bool, holder: bool) -> None:
         if held:
-            self.held_by[queue] = trio.current_time()
+            self.held_by[name] = trio.current_time()
+            if holder:
+                self.holders.add(name)
         else:
-            self.held_by.pop(queue, None)
+            self.held_by.pop(name, None)
+            self.holders.discard(name)
+
+    def held_text(self) -> str:
+        """What holds this session's transfers now, for people: "queue orders,
+        the store disk quota" ("none" when nothing does)."""
+        return describe_holds(self.held_by, self.holders) or "none"
 
     def _shutdown(self, error: ConnectionClosed) -> None:
         """The session has ended (detached, or its connection ended): every
@@ -237,3 +248,16 @@ class Session:
             raise
         self._send_command(P.FLOW, destination, capacity, P.UNLIMITED)
         return receiver
+
+
+def describe_holds(held_by: Iterable[str], holders: Container[str]) -> str:
+    """The flow-control holds of a session, for people: each queue as "queue
+    NAME" and each broker-wide holder (``holders``) as "the NAME", longest held
+    first when ``held_by`` is a mapping of name to since, as Session.held_by is.
+
+    Args:
+      held_by: what holds the session (its names, or name -> since).
+      holders: the names among them that are holders, not queues.
+    """
+    names = sorted(held_by, key=held_by.get) if isinstance(held_by, dict) else list(held_by)
+    return ", ".join(f"the {printable(n)}" if n in holders else f"queue {printable(n)}" for n in names)

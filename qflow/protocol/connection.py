@@ -207,8 +207,9 @@ class Failed(NamedTuple):
 
 class FlowNotice(NamedTuple):
     session: Any
-    queue: str
+    queue: str  # the queue's name, or the holder's when ``holder``
     held: bool
+    holder: bool = False  # a broker-wide holder (the memory alarm, the store's disk quota), not a queue
 
 
 Event = (Opened | AttachRequested | DetachRequested | FlushRequested | SessionAttached | SessionDetached
@@ -228,6 +229,8 @@ _SESSION_FRAMES: dict[int, tuple[type, ...]] = {
     P.ATTACHED: (), P.DETACHED: (int, str), P.COMPLETED: (list,), P.RESULT: (int, object),
     P.EXCEPTION: (int, int, str), P.FLOW_NOTICE: (str, bool),
 }
+# Fields a session frame may add after those: a flow notice's "a holder, not a queue".
+_OPTIONAL_FIELDS: dict[int, tuple[type, ...]] = {P.FLOW_NOTICE: (bool,)}
 
 
 class ProtocolConnection:
@@ -585,6 +588,8 @@ class ProtocolConnection:
     def _client_session_frame(self, frame: list[Any]) -> Event:
         code = frame[0]
         types = _SESSION_FRAMES[code]
+        if len(frame) != 2 + len(types):
+            types += _OPTIONAL_FIELDS.get(code, ())[:len(frame) - 2 - len(types)]
         if len(frame) != 2 + len(types) or any(t is not object and type(v) is not t
                                                for t, v in zip(types, frame[2:], strict=True)):
             raise self._refuse(P.FRAMING_ERROR, f"malformed {FRAME_NAMES[code]} from the broker: {frame!r:.80}")
@@ -602,7 +607,7 @@ class ProtocolConnection:
         if code == P.EXCEPTION:
             return Failed(ssn, frame[2], frame[3], frame[4])
         if code == P.FLOW_NOTICE:
-            return FlowNotice(ssn, frame[2], frame[3])
+            return FlowNotice(ssn, frame[2], frame[3], len(frame) > 4 and frame[4])
         if code == P.ATTACHED:
             self._attaching.discard(channel)
             return SessionAttached(ssn)

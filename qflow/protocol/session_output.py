@@ -63,9 +63,11 @@ class SessionOutput:
         (qflow.protocol.commands.IncomingCommands.take_report)."""
         self.encoder.write([COMPLETED, self.channel, report])
 
-    def flow_notice(self, queue: str, held: bool) -> None:
-        """``queue`` now holds (or no longer holds) one of this session's transfers."""
-        self.encoder.write([FLOW_NOTICE, self.channel, queue, held])
+    def flow_notice(self, name: str, held: bool, holder: bool = False) -> None:
+        """Queue ``name`` (``holder``: the broker-wide holder ``name``) now holds,
+        or no longer holds, one of this session's transfers."""
+        self.encoder.write([FLOW_NOTICE, self.channel, name, held, True] if holder
+                           else [FLOW_NOTICE, self.channel, name, held])
 
     def take(self) -> bytes:
         """Everything written so far (the encoder's parts, joined)."""

@@ -30,7 +30,8 @@ FLUSH = 15  # [15, ch]: ask for an immediate completion report
 RESULT = 16  # [16, ch, command_id, value]
 EXCEPTION = 17  # [17, ch, command_id, code, text]
 DELIVER = 18  # [18, ch, destination, delivery_id, redelivered, sequence, size, exchange, routing_key, props, body]
-FLOW_NOTICE = 19  # [19, ch, queue, held]: this session's transfers are (no longer) held by QUEUE
+FLOW_NOTICE = 19  # [19, ch, name, held(, true)]: this session's transfers are (no longer) held by queue NAME,
+# or, with a fifth field true, by the broker-wide holder NAME (the memory alarm, the store's disk quota)
 # [20, ch, destination, first_delivery_id, count, entries]: COUNT deliveries at once, to a connection that
 # asked for them (connection.open's deliver_runs); entries is bin, see qflow.protocol.entries
 DELIVER_RUN = 20

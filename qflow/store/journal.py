@@ -253,6 +253,7 @@ class Journal:
         self._size = 0  # bytes of the segment files that exist or are being written
         self._fd = -1  # the writer's: the current segment's file
         self._fd_segment = -1
+        self._roll = False  # the next commit opens a new segment (compact_to_fit)
         self.dropped: list[str] = []  # what the recovery dropped, and why (also logged)
 
     # -- staging (the loop) ---------------------------------------------------
@@ -416,7 +417,8 @@ class Journal:
                                "would be lost to recovery; recover() in a new Journal")
         self._carry_forward()
         batch = self._staged
-        if not batch:
+        roll, self._roll = self._roll, False
+        if not batch and not roll:
             return None
         self._staged, self._name_index = Batch(), {}
         record = _RECORD.size + batch.payload_size()
@@ -424,7 +426,7 @@ class Journal:
         # Roll over when the record does not fit, and also when nothing at all is live and the current
         # segment is over 1/8 full: then every segment dies with this commit, and the size falls to
         # almost nothing after a drain instead of staying at up to a segment.
-        if cur is None or (cur.size + record > self.segment_size and cur.size > _HEADER_RECORD_SIZE) \
+        if cur is None or roll or (cur.size + record > self.segment_size and cur.size > _HEADER_RECORD_SIZE) \
                 or (cur.size > self.segment_size // 8 and not any(s.live for s in self._segments.values())):
             number = cur.number + 1 if cur is not None else self._next_number
             cur = self._current = self._segments[number] = _Segment(number)
@@ -455,14 +457,50 @@ class Journal:
         if head is None or head is self._current or not head.live \
                 or head.live_bytes >= self.carry_below * self.segment_size:
             return
+        self._carry((head,))
+
+    def _carry(self, segments: Iterable[_Segment]) -> None:
+        """Stage the live messages of ``segments`` again, so that they die with the next commit."""
         # Entries that differ only in their heads are one message on several queues (fanout,
         # topic): carried forward together, their body is still stored once.
         copies: dict[memoryview, list[tuple[str, Entry]]] = {}
-        for queue, seqs in head.members():
-            for entry in list(seqs.values()):
-                copies.setdefault(memoryview(entry)[ENTRY_HEAD_SIZE:], []).append((queue, entry))
+        for seg in segments:
+            for queue, seqs in seg.members():
+                for entry in list(seqs.values()):
+                    copies.setdefault(memoryview(entry)[ENTRY_HEAD_SIZE:], []).append((queue, entry))
         for placements in copies.values():
             self.enqueue_fanout(placements)
+
+    def compact_to_fit(self, limit: int) -> bool:
+        """Make the next commit rewrite every live message into a new segment,
+        so that every older segment dies with it, if that brings the journal
+        under ``limit`` bytes (it is not under it now). Loop side, between commits.
+
+        This is the disk quota's way down (qflow.store.quota): otherwise space
+        comes back a whole segment at a time, and a quota below the segment
+        size would never see a segment end. It costs one rewrite of what is
+        live, and only when that clears the quota, so at most once per
+        overfull spell. The estimate is an upper bound: a rewrite never lands
+        above ``limit``.
+
+        Returns:
+          True if the next commit compacts (call for it: something may have to
+          be committed that would otherwise wait); False if it would not fit
+          under ``limit``, or the journal is under it already.
+        """
+        if self._in_flight or self._roll or self._size < limit:
+            return False
+        segments = list(self._segments.values())
+        live = sum(s.live for s in segments)
+        live_bytes = sum(s.live_bytes for s in segments)
+        names = sum(2 + len(q.encode()) for q, seqs in self._live.items() if seqs)
+        projected = (_HEADER_RECORD_SIZE + _RECORD.size + self._staged.payload_size() + _SECTION.size
+                     + live_bytes + live * (_ENQ.size + _BODY.size) + names)
+        if projected >= limit or projected >= self._size:
+            return False
+        self._carry(segments)
+        self._roll = True
+        return True
 
     # -- the writer (a worker thread) -------------------------------------------
     def write_and_sync(self, batch: Batch) -> None:
@@ -622,6 +660,8 @@ class Journal:
 
 
 _HEADER_RECORD_SIZE = _RECORD.size + _HEADER.size
+# The smallest a journal can be: one segment, its header and an empty batch (compact_to_fit's floor).
+SMALLEST_JOURNAL = _HEADER_RECORD_SIZE + _RECORD.size + Batch().payload_size()
 
 
 def _item_size(op: int) -> int:

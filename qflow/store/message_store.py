@@ -98,7 +98,7 @@ class Commit:
 
 
 # The name a session held by the store's quota is told (session.flow-notice, heldBy).
-OVERFULL = "store overfull"
+DISK_QUOTA = "store disk quota"
 
 
 class MessageStore:
@@ -119,7 +119,8 @@ class MessageStore:
         self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued)
         self.holder.tracks = True  # so that, once overfull, the sessions of the holds it has then are named
         if self.quota.overfull:
-            broker.flow.name_holds(self.holder, OVERFULL)
+            broker.flow.name_holds(self.holder, DISK_QUOTA)
+            self._compact()  # recovered over quota: what was consumed before the stop may be enough to clear it
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
         # Queue name -> sequence numbers dequeued before their hold was staged (and transient ones: see _dequeued)
@@ -320,15 +321,23 @@ class MessageStore:
         # was in flight when the limit was crossed is written anyway (best effort), and held from then on.
         if quota.update(self.journal.size_on_disk()):
             if quota.overfull:  # the sessions held from now on are told by whom
-                self.broker.flow.name_holds(self.holder, OVERFULL)
+                self.broker.flow.name_holds(self.holder, DISK_QUOTA)
             else:
                 self.holder.release(self._quota_held)
                 self._quota_held = []
                 self.broker.flow.name_holds(self.holder, None)
         if quota.overfull:
             self._quota_held += commit.tokens
+            self._compact()
         else:
             self.holder.release(commit.tokens)
+
+    def _compact(self) -> None:
+        """Overfull: if rewriting what is live would bring the journal under the
+        underfull limit, have the next commit do it (Journal.compact_to_fit), and
+        ask for that commit now: nothing else may come to commit."""
+        if self.journal.compact_to_fit(self.quota.limits.resume):
+            self._wake()
 
     def stats(self) -> dict[str, int | bool]:
         """storeSize (bytes on disk after the last commit), storeOverfull, storeOverfullCount."""

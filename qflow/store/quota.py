@@ -21,6 +21,12 @@ Like the Java broker's quota this is best effort: the transfers already in
 flight when the size crosses the limit are still written, so the store may
 exceed ``overfull`` by up to one commit plus every producer's capacity.
 
+The size must fall as consumers consume, whatever the quota is against the
+journal's segment size: while overfull the store asks the journal to compact
+once what is live fits under ``underfull`` (Journal.compact_to_fit). So any
+underfull limit above the smallest journal can be reached, and
+:meth:`QuotaLimits.check_reachable` refuses the rest at start.
+
 This module only decides; :class:`StoreQuota` is fed the size after each
 commit and says whether the state changed.
 """
@@ -57,6 +63,19 @@ class QuotaLimits:
         if self.underfull > self.overfull:
             raise QuotaError(f"--store-underfull-size {self.underfull} must not be above --store-overfull-size "
                              f"{self.overfull}")
+
+    def check_reachable(self, smallest: int) -> None:
+        """Refuse a quota the store could never fall under: its size cannot go
+        below ``smallest`` bytes (an empty journal), so an underfull limit at or
+        below that would hold every producer for ever once overfull.
+
+        Raises:
+          QuotaError: naming both options and the floor.
+        """
+        if self.enabled and self.resume <= smallest:
+            which = "--store-underfull-size" if self.underfull is not None else "--store-overfull-size"
+            raise QuotaError(f"{which} {self.resume} can never be cleared: an empty store takes {smallest} bytes, "
+                             f"so --store-underfull-size (default: --store-overfull-size) must be above it")
 
     @property
     def enabled(self) -> bool:
