@@ -569,11 +569,12 @@ async def test_a_held_producer_finishes_once_the_consumer_drains(tmp_path: Path,
         assert sender.returncode == 0, err
         assert received.returncode == 0, received.stderr
         assert received.stdout == lines  # all 6,000, in order
-        broker_view = await wait_for("the store to be below underfull and its files to agree", lambda: (
-            (b := api(d, "GET", "/api/broker")[1])["storeSize"] < 1_000_000
-            and journal_bytes(data_dir) == b["storeSize"] and b))
-        assert broker_view["storeOverfull"] is False
-        assert broker_view["totals"]["msgDepth"] == 0
+        # Not overfull once drained (it need not be below underfull: without the quota's pressure the journal
+        # keeps its open segment), and the size the API shows is the files' size.
+        broker_view = await wait_for("the store not to be overfull and its files to agree", lambda: (
+            not (b := api(d, "GET", "/api/broker")[1])["storeOverfull"] and b["totals"]["msgDepth"] == 0
+            and journal_bytes(data_dir) == b["storeSize"] and b), state=lambda: api(d, "GET", "/api/broker")[1])
+        assert broker_view["storeSize"] <= 2_000_000
         assert broker_view["storeOverfullCount"] >= 1
     finally:
         d.stop()
@@ -626,8 +627,9 @@ async def test_a_restart_over_quota_keeps_every_completed_message_and_clears_whe
         assert got[:completed] == [body % i for i in range(completed)]  # every completed one, in order
         assert got == [body % i for i in range(sent)]  # and the held ones, synced before they were held
         broker = await wait_for("the quota to clear after the drain", lambda: (
-            not (b := api(d, "GET", "/api/broker")[1])["storeOverfull"] and b["storeSize"] < 1_000_000 and b),
+            not (b := api(d, "GET", "/api/broker")[1])["storeOverfull"] and b["totals"]["msgDepth"] == 0 and b),
             state=lambda: api(d, "GET", "/api/broker")[1])
-        assert broker["totals"]["msgDepth"] == 0
+        assert broker["storeSize"] < 2_000_000
+        assert "store overfull condition cleared" in d.log()
     finally:
         d.stop()
