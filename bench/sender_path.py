@@ -54,7 +54,8 @@ class _Connection:
 
     def __init__(self) -> None:
         self.encoder = _Encoder()
-        self._wake = _Event()
+        # The writer's wake-up, under both names a tree's sender may set it by.
+        self.wakeup = self._wake = _Event()
 
 
 class _Session:

@@ -108,8 +108,9 @@ async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, A
     """Receive until done; returns (messages, bytes, seconds from the first message to the last)."""
     out = sys.stdout.buffer
     flush_each = sys.stdout.isatty()  # a person watching sees each line at once; a pipe gets big writes
-    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **options)
-    try:
+    # open_connection, not connect: the connection's tasks run in this task's nursery, so none
+    # outlives the run and an error of theirs reaches main() as the tool's own.
+    async with qflow.open_connection(url.host, url.port, name=args.connection_name, **options) as conn:
         ssn = await conn.session()
         capacity = args.capacity or 1  # Qpid's capacity 0: no prefetch beyond the message being fetched
         receiver = await ssn.receiver(args.address, capacity=capacity, accept="auto",
@@ -145,8 +146,6 @@ async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, A
         await receiver.close()
         out.flush()
         return received, nbytes, last - first
-    finally:
-        await conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,8 +110,9 @@ def bodies(args: argparse.Namespace) -> Iterator[bytes]:
 
 async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]) -> tuple[int, int, float]:
     """Send everything and wait for every completion. Returns (messages, bytes, seconds)."""
-    conn = await qflow.connect(url.host, url.port, name=args.connection_name, **options)
-    try:
+    # open_connection, not connect: the connection's tasks run in this task's nursery, so none
+    # outlives the run and an error of theirs reaches main() as the tool's own.
+    async with qflow.open_connection(url.host, url.port, name=args.connection_name, **options) as conn:
         ssn = await conn.session()
         exchange, slash, key = args.address.partition("/")
         if slash:
@@ -146,8 +147,6 @@ async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]
         finally:
             bar.close()
         return sent, nbytes, trio.current_time() - started
-    finally:
-        await conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:

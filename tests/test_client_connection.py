@@ -154,7 +154,7 @@ async def test_a_client_bug_reaches_the_caller(nursery, monkeypatch):
         with pytest.raises(ConnectionClosed) as at_exit:
             async with open_connection("127.0.0.1", port) as conn:
                 ssn = await conn.session()
-                monkeypatch.setattr(Session, "_completed", broken)
+                monkeypatch.setattr(Session, "on_completed", broken)
                 with pytest.raises(ConnectionClosed) as in_call:
                     await ssn.sync()
     for err in (in_call.value, at_exit.value):

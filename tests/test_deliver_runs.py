@@ -19,7 +19,7 @@ import qflow
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.client import ConnectionClosed
-from qflow.client.message import _Deliveries
+from qflow.client.message import Deliveries
 from qflow.protocol import entries as E
 from qflow.protocol.entries import ENTRY_HEAD, EntryError, scan_entries_python
 from qflow.protocol.framing import PROTOCOL_HEADER, FrameDecoder
@@ -318,14 +318,14 @@ async def test_client_refuses_a_malformed_delivery(nursery, bad, fragment):
 
 def test_a_message_reads_its_fields_from_the_run():
     blob = entry(5, b"one", props={"content_type": "text/plain", "durable": True}) + entry(6, b"two", True, "e", "k")
-    run = _Deliveries(None, [P.DELIVER_RUN, 0, "d", 40, 2, blob])
+    run = Deliveries(None, [P.DELIVER_RUN, 0, "d", 40, 2, blob])
     a, b = qflow.client.ReceivedMessage(run, 0), qflow.client.ReceivedMessage(run, 1)
     assert (a.body, a.delivery_id, a.sequence, a.redelivered, a.content_type, a.durable, a.headers) == \
         (b"one", 40, 5, False, "text/plain", True, {})
     assert (b.body, b.delivery_id, b.sequence, b.redelivered, b.exchange, b.routing_key, b.properties) == \
         (b"two", 41, 6, True, "e", "k", {})
     with pytest.raises(EntryError):
-        _Deliveries(None, [P.DELIVER_RUN, 0, "d", 40, 3, blob])
+        Deliveries(None, [P.DELIVER_RUN, 0, "d", 40, 3, blob])
 
 
 @settings(max_examples=examples(100), deadline=None)

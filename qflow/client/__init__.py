@@ -16,6 +16,13 @@ most ``capacity`` transfers: that is producer flow control.
 One module per concept: ``connection`` (open_connection, connect), ``session``,
 ``sender``, ``receiver``, ``message`` (what a receiver hands out), ``errors``,
 ``pacing`` (rate limits). The protocol's rules are qflow.protocol's.
+
+Their imports run one way, connection -> session -> sender and receiver ->
+message: a module calls down into the objects it makes, and knows the one
+above it only as a small protocol it defines itself (``SessionConnection``,
+``SenderSession``, ``ReceiverSession``, ``Settler``). The methods a module
+calls on the one below (``on_completed``, ``wake``, ...) are documented, but
+they are the client's own: applications do not need them.
 """
 
 from qflow.client.connection import Connection, connect, open_connection, tls_context

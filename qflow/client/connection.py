@@ -14,8 +14,12 @@ socket, bad data, a silent broker, a bug in these tasks) becomes
 ``ConnectionClosed``, raised by every call waiting on the connection and by
 every later one.
 
-``connect()`` is the older style, ``await qflow.connect(...)`` with no block
-around the connection's life: see its docstring.
+``connect()`` opens a connection with no block around its life, for code
+that cannot keep one open; ``open_connection`` is the one to use.
+
+The top of the client: a connection makes sessions and hands them the
+broker's frames (their ``on_*`` methods), and hands each delivery frame
+straight to its receiver.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import trio
 
 from qflow import protocol as P
 from qflow.client.errors import ConnectionClosed, TlsError
-from qflow.client.message import _Deliveries
 from qflow.client.session import Session
 from qflow.protocol import DELIVER, DELIVER_PART, DELIVER_RUN
 from qflow.protocol.connection import (
@@ -56,13 +59,25 @@ CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connec
 
 def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
                 ) -> ssl.SSLContext:
-    """A client's TLS context for ``ssl_context``: the broker's certificate is
-    verified against the CA certificates of ``ca_file`` (PEM; None: the
-    system's), and its host name against the address connected to. With
-    ``cert_file`` (and ``key_file``, unless the key is in it), this client
-    presents its own certificate: with ``mechanism="EXTERNAL"`` it
-    authenticates as the certificate's CN. Raises OSError or ssl.SSLError if
-    a file cannot be read or used."""
+    """A client's TLS context, for :func:`open_connection`'s ``ssl_context``.
+
+    The broker's certificate is verified against the CA certificates of
+    ``ca_file``, and its host name against the address connected to. TLS 1.2
+    at least.
+
+    Args:
+      ca_file: the CA certificates, PEM (None: the system's).
+      cert_file: this client's own certificate, PEM, which it then presents:
+        with ``mechanism="EXTERNAL"`` it authenticates as the certificate's CN.
+      key_file: the certificate's private key, unless it is in ``cert_file``.
+
+    Returns:
+      The context.
+
+    Raises:
+      OSError, ssl.SSLError: if a file cannot be read or used.
+      ValueError: if ``key_file`` is given without ``cert_file``.
+    """
     context = ssl.create_default_context(cafile=ca_file)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if cert_file is not None:
@@ -105,27 +120,45 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
                           max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, username: str | None = None,
                           password: str | None = None, mechanism: str | None = None,
                           ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Connection]:
-    """Connect, authenticate, wait for the broker's connection.open-ok, and
-    yield the connection; leaving the block closes it.
+    """A connection to a broker, open for the ``async with`` block it is used in.
 
-    With ``username`` and ``password`` the connection authenticates with
-    SCRAM-SHA-256 (``mechanism="PLAIN"`` sends the password itself: only
-    over TLS); without, ANONYMOUS, which only a broker with ``--auth no``
-    takes. A refusal is ConnectionClosed, code 530, ``authentication
-    failed``. ``ssl_context``: the connection runs over TLS with it
-    (``trio.SSLStream``; the broker's name checked against ``host``;
-    :func:`tls_context` makes one from a CA file). ``mechanism="EXTERNAL"``
-    (no username): the connection's user is the CN of the client
-    certificate in ``ssl_context``, which the broker verified. A TLS
-    failure (the broker's certificate, or the broker refusing this client's)
-    is TlsError, naming the address and the reason.
+    It connects, authenticates and waits for the broker's connection.open-ok
+    before it yields the connection; leaving the block closes it
+    (:meth:`Connection.close`). The connection's tasks run in a nursery
+    opened here, in the caller's task, so they end with the block. An
+    exception from the block propagates as itself (not in an exception
+    group).
 
-    The connection's tasks run in a nursery opened here, so they end with
-    the block. An exception from the block propagates as itself (not in an
-    exception group). Raises ConnectionClosed if the broker refuses the
-    connection, OSError if it cannot be reached, and ConnectionClosed on
-    leaving the block if the connection's own tasks failed (a client bug,
-    the original error as its ``__cause__``) and the block did not raise.
+    This is the way to open a connection; :func:`connect` is for code that
+    cannot keep a block open.
+
+    Args:
+      host, port: the broker's protocol address.
+      name: the connection's name, which the broker shows (``qflow-stat -c``).
+      heartbeat: seconds between heartbeats, each way, once open (0: none);
+        a broker silent for two intervals ends the connection.
+      max_frame_size: the largest frame to ask for; the broker may lower it.
+      username, password: authenticate with SCRAM-SHA-256 (both or
+        neither). Without them, ANONYMOUS, which only a broker with
+        ``--auth no`` takes.
+      mechanism: ``"PLAIN"`` sends the password itself (only over TLS);
+        ``"EXTERNAL"`` (no username) authenticates as the CN of the client
+        certificate in ``ssl_context``, which the broker verified.
+      ssl_context: run over TLS with it (``trio.SSLStream``; the broker's
+        name checked against ``host``; :func:`tls_context` makes one).
+
+    Yields:
+      The open Connection.
+
+    Raises:
+      OSError: if the broker cannot be reached.
+      TlsError: if TLS fails (the broker's certificate, or the broker
+        refusing this client's), naming the address and the reason.
+      ConnectionClosed: if the broker refuses the connection (code 530,
+        ``authentication failed``, for bad credentials); and on leaving the
+        block if the connection's own tasks failed (a client bug, the
+        original error as its ``__cause__``) and the block did not raise.
+      ValueError: if only one of ``username`` and ``password`` is given.
     """
     conn = await _new_connection(host, port, name, heartbeat, max_frame_size, username, password, mechanism,
                                  ssl_context)
@@ -170,17 +203,29 @@ async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", 
                   max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, username: str | None = None,
                   password: str | None = None, mechanism: str | None = None,
                   ssl_context: ssl.SSLContext | None = None) -> Connection:
-    """Open a connection (credentials and TLS as for :func:`open_connection`)
-    and wait for the broker's connection.open-ok;
-    ``close()`` it when done (``async with await connect(...)`` does).
+    """A connection to a broker, open until its ``close()``.
 
-    Kept for the callers written before :func:`open_connection`. With no
-    nursery given, the connection's tasks cannot live in the caller's: they
-    run in a nursery of the connection's own, hosted by a trio system task,
-    until ``close()``. They behave as under ``open_connection``: their errors
-    end the connection and reach the caller as ConnectionClosed from the
-    next call. Only a client bug is reported differently: as ConnectionClosed
-    from calls, not raised again at the end. Prefer ``open_connection``.
+    It connects, authenticates and waits for the broker's connection.open-ok,
+    as :func:`open_connection` does; ``close()`` it when done (``async with
+    await connect(...)`` does). Use :func:`open_connection` unless the
+    connection cannot live inside one ``async with`` block.
+
+    With no block around its life, the connection's tasks cannot live in
+    the caller's: they run in a nursery of the connection's own, hosted by a
+    trio system task, until ``close()``. They behave as under
+    ``open_connection``: their errors end the connection and reach the
+    caller as ConnectionClosed from the next call. Only a client bug is
+    reported differently: as ConnectionClosed from calls, not raised again
+    at the end.
+
+    Args:
+      As :func:`open_connection`.
+
+    Returns:
+      The open Connection.
+
+    Raises:
+      As :func:`open_connection`, before it returns.
     """
     conn = await _new_connection(host, port, name, heartbeat, max_frame_size, username, password, mechanism,
                                  ssl_context)
@@ -194,8 +239,25 @@ async def connect(host: str = "127.0.0.1", port: int = 5672, *, name: str = "", 
 
 
 class Connection:
-    """A client connection to qflowd: sessions on it (:meth:`session`), and
-    the tasks that move its bytes (:func:`open_connection`)."""
+    """A client connection to a broker: the sessions on it, and the tasks
+    that move its bytes (:func:`open_connection` makes one).
+
+    Its reader hands the broker's frames to its sessions (their ``on_*``
+    methods) and each delivery straight to its receiver; its writer sends
+    what the encoder holds whenever :meth:`wake` is called.
+
+    Attributes:
+      name: the connection's name, as given.
+      heartbeat: the heartbeat interval asked for, in seconds (0: none).
+      address: the broker's ``(host, port)``, as connected to.
+      sessions: its sessions by channel, while it is open.
+      error: why it ended (ConnectionClosed), or None while it is open.
+      protocol: its protocol state machine (qflow.protocol.connection).
+      encoder: where sessions and senders write their frames.
+      wakeup: the event the writer waits on: setting it is :meth:`wake`,
+        without the call, for a sender's per-message path. The writer
+        replaces it each time it wakes, so it is looked up each time.
+    """
 
     def __init__(self, stream: trio.abc.Stream, name: str, heartbeat: float, max_frame_size: int,
                  username: str | None = None, password: str = "", mechanism: str | None = None) -> None:
@@ -212,7 +274,7 @@ class Connection:
         self.address: tuple[str, int] = ("?", 0)  # the broker's, as connected to
         self._failure: BaseException | None = None  # an error of the connection's own tasks: a client bug
         self._opened = trio.Event()  # set by connection.open-ok, or when the connection ends
-        self._wake = trio.Event()
+        self.wakeup = trio.Event()
         self._scope = trio.CancelScope()  # around the connection's tasks: close() cancels it
         self._nursery: trio.Nursery | None = None
         self._reader_done = trio.Event()
@@ -243,30 +305,46 @@ class Connection:
         await self.close()
 
     def wake(self) -> None:
-        """Tell the writer the encoder has frames to send."""
-        self._wake.set()
+        """Tell the writer the encoder has frames to send: its sessions call
+        it after writing (a sender sets ``wakeup`` itself)."""
+        self.wakeup.set()
 
     def check(self) -> None:
-        """Raise the connection's error, if it has ended."""
+        """Raise the connection's error, if it has ended.
+
+        Raises:
+          ConnectionClosed: why it ended.
+        """
         if self.error is not None:
             raise self.error
 
     async def session(self, name: str = "") -> Session:
-        """Attach a new session and wait for the broker's session.attached.
-        Raises ConnectionClosed if the connection has ended or ends meanwhile."""
+        """A new session on this connection, once the broker has attached it.
+
+        Args:
+          name: the session's name.
+
+        Returns:
+          The Session.
+
+        Raises:
+          ConnectionClosed: if the connection has ended, or ends meanwhile.
+        """
         self.check()
         ssn = Session(self, name)
         self.wake()
-        await ssn._attached.wait()  # set by session.attached, or Session._shutdown
-        ssn.check()
+        await ssn.wait_attached()
         return ssn
 
     async def close(self) -> None:
-        """Close the connection: ``connection.close`` goes out after what is
-        queued, and is the last frame sent; the broker's answer is awaited
-        (at most ``CLOSE_TIMEOUT`` s), then the tasks end and the socket
-        closes. Incomplete commands and waiting calls fail with
-        ConnectionClosed. Calling it again does nothing more."""
+        """Close the connection, and return once its tasks have ended.
+
+        ``connection.close`` goes out after what is queued, and is the last
+        frame sent; the broker's answer is awaited (at most ``CLOSE_TIMEOUT``
+        seconds), then the tasks end and the socket closes. Incomplete
+        commands and waiting calls fail with ConnectionClosed. Calling it
+        again waits for the first call's end and does nothing more.
+        """
         if self._close_started:
             with trio.CancelScope(shield=True):
                 await self._tasks_done.wait()
@@ -295,7 +373,7 @@ class Connection:
             self.error = error
         self._opened.set()
         for ssn in list(self.sessions.values()):
-            ssn._shutdown(self.error)
+            ssn.on_end(self.error)
 
     def _fail(self, exc: BaseException) -> None:
         """A task of the connection failed on a bug: the connection ends with it."""
@@ -331,8 +409,8 @@ class Connection:
         encoder = self.encoder
         try:
             while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
+                await self.wakeup.wait()
+                self.wakeup = trio.Event()
                 while encoder.parts:
                     await self.stream.send_all(encoder.take())
                 if self.protocol.state is State.CLOSED:
@@ -405,11 +483,13 @@ class Connection:
                 ssn = sessions.get(frame[1]) if len(frame) > 2 else None
                 r = ssn.receivers.get(frame[2]) if ssn is not None else None
                 if r is not None:
-                    run = _Deliveries(r, frame) if code == DELIVER_RUN else _Deliveries.of_one(r, frame)
-                    r._buffer.append(run)
+                    if code == DELIVER_RUN:
+                        r.on_deliver_run(frame)
+                    else:
+                        r.on_deliver(frame)
                     if r is not receiver:
                         if receiver is not None:
-                            receiver._event.set()
+                            receiver.wake()
                         receiver = r
             else:
                 event = receive_control(frame)
@@ -418,7 +498,7 @@ class Connection:
                 elif self.encoder.parts:  # the answer to a SASL challenge
                     self.wake()
         if receiver is not None:
-            receiver._event.set()
+            receiver.wake()
 
     def _on_event(self, event: Any) -> None:
         kind = type(event)
@@ -429,14 +509,14 @@ class Connection:
             return
         ssn = event.session
         if kind is Completed:
-            ssn._completed(event.ranges)
+            ssn.on_completed(event.ranges)
         elif kind is Result:
-            ssn._result(event.command_id, event.value)
+            ssn.on_result(event.command_id, event.value)
         elif kind is Failed:
-            ssn._exception(event.command_id, event.code, event.text)
+            ssn.on_failed(event.command_id, event.code, event.text)
         elif kind is FlowNotice:
-            ssn._flow_notice(event.queue, event.held, event.holder)
+            ssn.on_flow_notice(event.queue, event.held, event.holder)
         elif kind is SessionAttached:
-            ssn._attached.set()
+            ssn.on_attached()
         elif kind is SessionDetached:
-            ssn._shutdown(ConnectionClosed(event.code, f"session detached: {event.text}"))
+            ssn.on_end(ConnectionClosed(event.code, f"session detached: {event.text}"))

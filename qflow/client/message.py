@@ -1,10 +1,14 @@
 """Delivered messages: the runs they arrive in, and each message as the
-receiver hands it out, read from its run's bytes when asked."""
+receiver hands it out, read from its run's bytes when asked.
+
+The bottom of the client: it imports no other module of it. A run knows its
+receiver only as a :class:`Settler`, what accepts and releases messages.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -13,18 +17,37 @@ from qflow.protocol.encodings import entry_of_deliver
 from qflow.protocol.entries import ENTRY_HEAD_SIZE, REDELIVERED_YES, scan_entries, seq_and_size
 from qflow.protocol.framing import FramingError
 
-if TYPE_CHECKING:
-    from qflow.client.receiver import Receiver
+
+class Settler(Protocol):
+    """What settles delivered messages: the receiver they came by
+    (:class:`qflow.client.Receiver` is one)."""
+
+    def accept(self, messages: list[ReceivedMessage]) -> None: ...
+
+    def release(self, messages: list[ReceivedMessage]) -> None: ...
 
 
-class _Deliveries:
-    """The messages of one message.deliver-run frame: ``count`` stored entries
-    back to back in ``blob`` (qflow.protocol.entries), delivery ids ``first_id`` on.
-    Scanned once; a message's fields are read out of the blob when asked for."""
+class Deliveries:
+    """The messages of one message.deliver-run frame: ``count`` stored
+    entries back to back in ``blob`` (qflow.protocol.entries), delivery ids
+    ``first_id`` on, settled through ``receiver``.
+
+    The entries are scanned once, here; a message's fields are read out of
+    the blob when asked for.
+
+    Args:
+      receiver: what accepts and releases these messages (a Receiver; None
+        where nothing will settle them).
+      frame: the decoded message.deliver-run frame.
+
+    Raises:
+      FramingError: if the frame is not a well-formed message.deliver-run.
+      EntryError: if its entries are not ``count`` well-formed stored entries.
+    """
 
     __slots__ = ("receiver", "first_id", "count", "blob", "offsets")
 
-    def __init__(self, receiver: Receiver, frame: list[Any]) -> None:
+    def __init__(self, receiver: Settler | None, frame: list[Any]) -> None:
         if len(frame) != 6 or type(frame[3]) is not int or type(frame[4]) is not int or frame[4] < 1 \
                 or type(frame[5]) is not bytes:
             raise FramingError(f"malformed message.deliver-run for {frame[2]!r}")
@@ -35,8 +58,12 @@ class _Deliveries:
         self.offsets = scan_entries(self.blob, self.count)
 
     @classmethod
-    def of_one(cls, receiver: Receiver, frame: list[Any]) -> _Deliveries:
-        """A message.deliver frame (a broker that sends no runs) as a run of one."""
+    def of_one(cls, receiver: Settler | None, frame: list[Any]) -> Deliveries:
+        """A message.deliver frame (from a broker that sends no runs) as a run of one.
+
+        Raises:
+          FramingError: if the frame is not a well-formed message.deliver.
+        """
         try:
             did, blob = entry_of_deliver(frame)
         except Exception as exc:  # a wrong field count or type: struct and msgpack say which
@@ -44,50 +71,64 @@ class _Deliveries:
         return cls(receiver, [DELIVER_RUN, frame[1], frame[2], did, 1, blob])
 
 
-class _NoDeliveries:
-    """Where a receiver starts: a run with nothing left in it."""
+class NoDeliveries:
+    """An empty run: where a receiver starts, with nothing left to fetch."""
 
     first_id = count = 0
 
 
 class ReceivedMessage:
-    """A delivered message. Its fields are read from the frame that carried it
-    when asked for, not copied out for every message; so a message kept alive
-    keeps that frame's bytes (up to a frame's size) alive too."""
+    """A message a receiver delivered: its body, its place in its queue and
+    the fields its sender gave it.
 
-    __slots__ = ("_run", "_i", "_fields")
+    Its fields are read from the frame that carried it when asked for, not
+    copied out for every message; so a message kept alive keeps that frame's
+    bytes (up to a frame's size) alive too. To keep a few of many messages
+    for long, keep their ``body`` and the fields needed instead.
 
-    def __init__(self, run: _Deliveries, i: int) -> None:
-        self._run = run
-        self._i = i
+    ``run`` and ``index`` say where those bytes are: the :class:`Deliveries`
+    it arrived in and its place there. The receiver sets them; they are not
+    for applications.
+    """
+
+    __slots__ = ("run", "index", "_fields")
+
+    def __init__(self, run: Deliveries, index: int) -> None:
+        self.run = run
+        self.index = index
 
     @property
     def body(self) -> bytes:
-        run = self._run
-        j = 2 * self._i
+        """The message's body."""
+        run = self.run
+        j = 2 * self.index
         return run.blob[run.offsets[j + 1]:run.offsets[j + 2]]
 
     @property
     def delivery_id(self) -> int:
-        return self._run.first_id + self._i
+        """The delivery's id on its session: what accepting or releasing it names."""
+        return self.run.first_id + self.index
 
     @property
     def redelivered(self) -> bool:
-        run = self._run
-        return run.blob[run.offsets[2 * self._i]] == REDELIVERED_YES
+        """Whether the broker delivered it before (it was released, or its
+        consumer went) without its being accepted."""
+        run = self.run
+        return run.blob[run.offsets[2 * self.index]] == REDELIVERED_YES
 
     @property
     def sequence(self) -> int:
-        """The message's place in its queue."""
-        run = self._run
-        return seq_and_size(run.blob, run.offsets[2 * self._i])[0]
+        """The message's sequence number: its place in its queue (what
+        ``start_sequence`` and ``Session.remove_through`` count in)."""
+        run = self.run
+        return seq_and_size(run.blob, run.offsets[2 * self.index])[0]
 
     def _decoded(self) -> tuple[str, str, dict[str, Any]]:
         try:
             return self._fields
         except AttributeError:
-            run = self._run
-            j = 2 * self._i
+            run = self.run
+            j = 2 * self.index
             unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
             unpacker.feed(run.blob[run.offsets[j] + ENTRY_HEAD_SIZE:run.offsets[j + 1]])
             self._fields = (unpacker.unpack(), unpacker.unpack(), unpacker.unpack() or {})
@@ -95,34 +136,43 @@ class ReceivedMessage:
 
     @property
     def exchange(self) -> str:
+        """The exchange it was sent to (``""``: the default exchange)."""
         return self._decoded()[0]
 
     @property
     def routing_key(self) -> str:
+        """The routing key it was sent with."""
         return self._decoded()[1]
 
     @property
     def properties(self) -> dict[str, Any]:
+        """Its transfer's properties map (``message_id``, ``durable``,
+        ``headers``, ...); ``{}`` when it has none."""
         return self._decoded()[2]
 
     @property
     def message_id(self) -> str | None:
+        """The sender's ``message_id``, or None."""
         return self.properties.get("message_id")
 
     @property
     def correlation_id(self) -> str | None:
+        """The sender's ``correlation_id``, or None."""
         return self.properties.get("correlation_id")
 
     @property
     def content_type(self) -> str | None:
+        """The sender's ``content_type``, or None."""
         return self.properties.get("content_type")
 
     @property
     def durable(self) -> bool:
+        """Whether it is persistent: kept across a broker restart on a durable queue."""
         return bool(self.properties.get("durable", False))
 
     @property
     def headers(self) -> dict[str, Any]:
+        """The sender's application headers (``{}`` when none)."""
         return self.properties.get("headers") or {}
 
     @property
@@ -131,10 +181,15 @@ class ReceivedMessage:
         return self.properties.get("timestamp")
 
     def accept(self) -> None:
-        self._run.receiver.accept([self])
+        """Accept it: the broker removes it from its queue. For a receiver
+        with ``accept="explicit"``; as ``receiver.accept([message])``."""
+        self.run.receiver.accept([self])
 
     def release(self) -> None:
-        self._run.receiver.release([self])
+        """Release it: the broker puts it back in its place in the queue,
+        marked redelivered, for a consumer to take again; as
+        ``receiver.release([message])``."""
+        self.run.receiver.release([self])
 
 
 def columns(messages: Sequence[ReceivedMessage]) -> tuple[list[bytes], list[str], list[str], list[dict[str, Any]],
@@ -155,10 +210,10 @@ def columns(messages: Sequence[ReceivedMessage]) -> tuple[list[bytes], list[str]
     last_head = None
     fields: tuple[str, str, dict[str, Any]] = ("", "", {})
     for m in messages:
-        run = m._run
+        run = m.run
         blob = run.blob
         offsets = run.offsets
-        j = 2 * m._i
+        j = 2 * m.index
         start = offsets[j]
         end_head = offsets[j + 1]
         bodies.append(blob[end_head:offsets[j + 2]])
@@ -178,21 +233,21 @@ def columns(messages: Sequence[ReceivedMessage]) -> tuple[list[bytes], list[str]
     return bodies, exchanges, keys, props, seqs, redelivered
 
 
-def _slices(messages: Sequence[ReceivedMessage]) -> list[tuple[_Deliveries, int, int]]:
+def _slices(messages: Sequence[ReceivedMessage]) -> list[tuple[Deliveries, int, int]]:
     """``messages`` as (run, first, end) slices of consecutive messages of one run."""
     if not messages:
         return []
     first, last = messages[0], messages[-1]
-    if first._run is last._run and last._i - first._i == len(messages) - 1:  # the usual case: one slice
-        return [(first._run, first._i, last._i + 1)]
-    out: list[tuple[_Deliveries, int, int]] = []
-    run, start, end = first._run, first._i, first._i
+    if first.run is last.run and last.index - first.index == len(messages) - 1:  # the usual case: one slice
+        return [(first.run, first.index, last.index + 1)]
+    out: list[tuple[Deliveries, int, int]] = []
+    run, start, end = first.run, first.index, first.index
     for m in messages:
-        if m._run is run and m._i == end:
+        if m.run is run and m.index == end:
             end += 1
         else:
             out.append((run, start, end))
-            run, start, end = m._run, m._i, m._i + 1
+            run, start, end = m.run, m.index, m.index + 1
     out.append((run, start, end))
     return out
 

@@ -1,37 +1,73 @@
 """Receivers: a subscription's messages as they arrive, credit given back and
-fetched messages accepted in batches."""
+fetched messages accepted in batches.
+
+A receiver knows its session only as a :class:`ReceiverSession`, the few
+commands it sends; the connection hands it the frames addressed to it.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import trio
 
-from qflow import protocol as P
-from qflow.client.message import ReceivedMessage, _Deliveries, _NoDeliveries
+from qflow.client.errors import ConnectionClosed
+from qflow.client.message import Deliveries, NoDeliveries, ReceivedMessage
 from qflow.client.pacing import pace
 from qflow.protocol.ranges import RangeSet
-
-if TYPE_CHECKING:
-    from qflow.client.session import Session
 
 _new = object.__new__
 
 
 class Empty(Exception):
-    """``fetch`` timed out with no message."""
+    """``fetch`` or ``fetch_many`` waited ``timeout`` seconds and no message arrived."""
+
+
+class ReceiverSession(Protocol):
+    """What a receiver uses of its session (:class:`qflow.client.Session` is one)."""
+
+    error: ConnectionClosed | None
+
+    def check(self) -> None: ...
+
+    def add_credit(self, destination: str, messages: int) -> None: ...
+
+    def accept(self, ids: RangeSet) -> None: ...
+
+    def release(self, ids: RangeSet) -> None: ...
+
+    async def cancel(self, destination: str) -> None: ...
 
 
 class Receiver:
-    """A subscription to a queue, with a credit window of ``capacity``
-    messages (Session.receiver makes one). The connection's reader appends
-    the runs of deliveries that arrive; ``fetch`` and ``fetch_many`` take
-    messages from them and give credit back (and, in auto mode, accept) in
-    batches."""
+    """A subscription to a queue, and the messages it delivers
+    (:meth:`Session.receiver <qflow.client.Session.receiver>` makes one).
 
-    def __init__(self, session: Session, queue: str, destination: str, capacity: int, accept: str,
+    The broker sends at most ``capacity`` messages ahead of those fetched
+    (its credit window); :meth:`fetch` and :meth:`fetch_many` take them in
+    order and give the credit back in batches of half the window. With
+    ``accept="auto"`` what was fetched is accepted in batches of
+    ``ack_frequency`` (and before a fetch waits, and on :meth:`close`);
+    with ``"explicit"`` the application accepts (:meth:`accept`,
+    :meth:`ReceivedMessage.accept`); with ``"none"`` the broker removes each
+    message as it sends it.
+
+    Its connection calls :meth:`on_deliver_run`, :meth:`on_deliver` and
+    :meth:`wake` as frames for it arrive, and its session calls :meth:`wake`
+    when it ends; they are not for applications.
+
+    Attributes:
+      session: the session it is on.
+      queue: the queue it receives from.
+      destination: its name on the session, which the broker's deliveries carry.
+      capacity: the credit window, in messages.
+      accept_mode: ``"auto"``, ``"explicit"`` or ``"none"``.
+      ack_frequency: auto accept: fetched messages accepted at a time.
+    """
+
+    def __init__(self, session: ReceiverSession, queue: str, destination: str, capacity: int, accept: str,
                  rate: float | None, ack_frequency: int | None) -> None:
         self.session = session
         self.queue = queue
@@ -39,8 +75,8 @@ class Receiver:
         self.capacity = capacity
         self.accept_mode = accept
         self.ack_frequency = ack_frequency or max(1, capacity // 2)
-        self._buffer: deque[_Deliveries] = deque()  # runs the connection's reader appends, not yet begun
-        self._run: _Deliveries | _NoDeliveries = _NoDeliveries()  # the run being fetched from
+        self._buffer: deque[Deliveries] = deque()  # runs arrived, not begun yet
+        self._run: Deliveries | NoDeliveries = NoDeliveries()  # the run being fetched from
         self._i = 0  # the next message of _run to fetch
         self._event = trio.Event()
         # Credit and auto-accept are settled every so many fetches: _taken counts
@@ -56,12 +92,47 @@ class Receiver:
         self._interval = 1.0 / rate if rate else 0.0
         self._next_fetch = 0.0
 
+    # -- frames from the connection ---------------------------------------------
+    def on_deliver_run(self, frame: list[Any]) -> None:
+        """A message.deliver-run frame for this receiver arrived: its
+        messages join those to fetch. A fetch waiting for them wakes on
+        :meth:`wake`, which the connection calls once per read, not per frame.
+
+        Raises:
+          FramingError, EntryError: if the frame is malformed.
+        """
+        self._buffer.append(Deliveries(self, frame))
+
+    def on_deliver(self, frame: list[Any]) -> None:
+        """A message.deliver frame (one message) for this receiver arrived; as
+        :meth:`on_deliver_run`."""
+        self._buffer.append(Deliveries.of_one(self, frame))
+
+    def wake(self) -> None:
+        """Wake the task waiting in a fetch, to look again: messages arrived,
+        or the session ended."""
+        self._event.set()
+
     def available(self) -> int:
-        """Messages arrived and not fetched yet."""
+        """The number of messages arrived and not fetched yet."""
         return self._run.count - self._i + sum(run.count for run in self._buffer)
 
     async def fetch(self, timeout: float | None = None) -> ReceivedMessage:
-        """The next message; raises Empty after ``timeout`` seconds without one."""
+        """The next message, waiting for one to arrive if none has.
+
+        Every so many fetches it gives credit back and, with
+        ``accept="auto"``, accepts what was fetched (see the class).
+
+        Args:
+          timeout: seconds to wait for a message; None: no limit.
+
+        Returns:
+          The message.
+
+        Raises:
+          Empty: if no message arrived within ``timeout`` seconds.
+          ConnectionClosed: if the session or its connection ended.
+        """
         run = self._run
         i = self._i
         if i == run.count or self._interval:
@@ -73,11 +144,11 @@ class Receiver:
             await self._settle()
         # ReceivedMessage(run, i) without the cost of calling __init__: the per-message path.
         message = _new(ReceivedMessage)
-        message._run = run
-        message._i = i
+        message.run = run
+        message.index = i
         return message
 
-    async def _fetch_slowly(self, timeout: float | None) -> tuple[_Deliveries, int]:
+    async def _fetch_slowly(self, timeout: float | None) -> tuple[Deliveries, int]:
         """fetch's other path: pacing, and a run to begin (waiting for one)."""
         if self._interval:
             self._next_fetch = await pace(self._next_fetch, self._interval)
@@ -88,10 +159,24 @@ class Receiver:
         return self._run, self._i
 
     async def fetch_many(self, limit: int | None = None, timeout: float | None = None) -> list[ReceivedMessage]:
-        """The messages that have arrived, at most ``limit`` (all by default) and
-        at least one: waits for the first as ``fetch`` does, raising Empty after
-        ``timeout`` seconds. Credit and auto-accept work as for ``fetch``, once
-        per call instead of once per message."""
+        """The messages that have arrived, at least one: waits for the first
+        as :meth:`fetch` does.
+
+        Credit and auto accept work as for ``fetch``, once per call instead of
+        once per message.
+
+        Args:
+          limit: at most this many (None: all that have arrived).
+          timeout: seconds to wait for the first message; None: no limit.
+
+        Returns:
+          The messages, in order.
+
+        Raises:
+          ValueError: if ``limit`` is less than 1.
+          Empty: if no message arrived within ``timeout`` seconds.
+          ConnectionClosed: if the session or its connection ended.
+        """
         if limit is not None and limit < 1:
             raise ValueError(f"fetch_many: limit must be at least 1, not {limit}")
         if self._interval:  # paced: one at a time is the point
@@ -112,8 +197,8 @@ class Receiver:
             append = messages.append
             for k in range(i, j):  # ReceivedMessage(run, k), without calling __init__, as fetch does
                 message = _new(ReceivedMessage)
-                message._run = run
-                message._i = k
+                message.run = run
+                message.index = k
                 append(message)
             self._i = j
         self._taken += n
@@ -131,12 +216,12 @@ class Receiver:
             self._flush_acks()
         fetched = self._taken - self._credit_mark
         if fetched >= self._credit_batch:
-            self.session._send_command(P.FLOW, self.destination, fetched, 0)
+            self.session.add_credit(self.destination, fetched)
             self._credit_mark = self._taken
             self._set_next_settle()
             await trio.lowlevel.checkpoint()  # the credit goes out now, not when the buffer runs dry
 
-    def _next_run(self) -> _Deliveries:
+    def _next_run(self) -> Deliveries:
         """Begin the next run in the buffer (there is one)."""
         self._span()
         run = self._run = self._buffer.popleft()
@@ -149,7 +234,7 @@ class Receiver:
             self._flush_acks()
             self._event = trio.Event()
             with trio.move_on_after(math.inf if timeout is None else timeout):
-                await self._event.wait()  # set by deliveries or Session._shutdown
+                await self._event.wait()  # set by wake(): deliveries, or the session's end
             if not self._buffer:
                 self.session.check()
                 if not self._event.is_set():
@@ -167,25 +252,41 @@ class Receiver:
     def _flush_acks(self) -> None:
         self._span()
         if self._to_accept and self.session.error is None:
-            self.session._send_command(P.ACCEPT, self._to_accept.to_wire())
+            self.session.accept(self._to_accept)
             self._to_accept = RangeSet()
         self._ack_mark = self._taken
         self._set_next_settle()
 
     def accept(self, messages: list[ReceivedMessage]) -> None:
+        """Accept ``messages``: the broker removes them from the queue. For
+        ``accept="explicit"``; sent at once, without waiting for the broker.
+
+        Raises:
+          ConnectionClosed: if the session or its connection ended.
+        """
         ids = RangeSet()
         for m in messages:
             ids.add(m.delivery_id)
-        self.session._send_command(P.ACCEPT, ids.to_wire())
+        self.session.accept(ids)
 
     def release(self, messages: list[ReceivedMessage]) -> None:
+        """Release ``messages``: the broker puts them back in their places in
+        the queue, marked redelivered. Sent at once, without waiting.
+
+        Raises:
+          ConnectionClosed: if the session or its connection ended.
+        """
         ids = RangeSet()
         for m in messages:
             ids.add(m.delivery_id)
-        self.session._send_command(P.RELEASE, ids.to_wire())
+        self.session.release(ids)
 
     async def close(self) -> None:
-        """Accept what was fetched (auto mode) and cancel the subscription."""
+        """Accept what was fetched (``accept="auto"``) and cancel the
+        subscription; returns once the broker has cancelled it.
+
+        Raises:
+          ConnectionClosed: if the session or its connection ended.
+        """
         self._flush_acks()
-        await self.session._call(P.CANCEL, self.destination)
-        self.session.receivers.pop(self.destination, None)
+        await self.session.cancel(self.destination)

@@ -8,6 +8,9 @@ bytes msgpack's Packer writes). A plain transfer (the sender's routing key and
 its default properties: none, or ``{"durable": true}`` for a durable sender)
 takes its prefix from a cache keyed by the body's size; that is the
 per-message fast path, and it differs from the general one only there.
+
+A sender knows its session only as a :class:`SenderSession`: its numbering,
+its channel and the connection's encoder to write to.
 """
 
 from __future__ import annotations
@@ -16,17 +19,16 @@ import logging
 import math
 from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
 from qflow import protocol as P
-from qflow.client.errors import FlowControlTimeout, QflowError, ResourceLimitExceeded
+from qflow.client.errors import ConnectionClosed, FlowControlTimeout, QflowError, ResourceLimitExceeded
 from qflow.client.pacing import pace
+from qflow.protocol.commands import OutgoingCommands
 from qflow.protocol.encodings import bin_header, str_header, transfer_prefix, transfer_prefix_around_id
-
-if TYPE_CHECKING:
-    from qflow.client.session import Session
+from qflow.protocol.framing import FrameEncoder
 
 log = logging.getLogger("qflow.client")
 
@@ -88,20 +90,71 @@ def _head_part(attr: str, doc: str) -> property:
     return property(get, set_, doc=doc)
 
 
+class SenderConnection(Protocol):
+    """What a sender uses of its connection (:class:`qflow.client.Connection` is one)."""
+
+    encoder: FrameEncoder
+    wakeup: trio.Event
+
+    @property
+    def max_frame_size(self) -> int: ...
+
+
+class SenderSession(Protocol):
+    """What a sender uses of its session (:class:`qflow.client.Session` is one)."""
+
+    channel: int
+    commands: OutgoingCommands
+    error: ConnectionClosed | None
+    held_by: dict[str, float]
+
+    @property
+    def conn(self) -> SenderConnection: ...
+
+    def check(self) -> None: ...
+
+    def held_text(self) -> str: ...
+
+    def flush(self) -> None: ...
+
+    def announce_capacity(self) -> None: ...
+
+
 class Sender:
-    """Sends to one address (Session.sender makes one). At most ``capacity``
-    of its transfers are incomplete at once: ``send`` waits while that many
-    are, and the broker holds completions back while a destination queue's
-    flow is stopped. ``durable``: whether its messages are persistent unless a
-    send says otherwise.
+    """A producer: sends messages to one address, at most ``capacity`` of
+    them incomplete at once (:meth:`Session.sender <qflow.client.Session.sender>`
+    makes one).
+
+    :meth:`send` waits while ``capacity`` transfers are incomplete, and the
+    broker holds completions back while a destination queue's flow is
+    stopped: that is how flow control reaches a producer. While it waits, a
+    warning is logged every ``flow_notify`` seconds; after ``flow_timeout``
+    seconds (if set) the send gives up with FlowControlTimeout.
 
     Completions may arrive out of order: a persistent message accepted before
     its commit completes at once, ahead of earlier ones still waiting for the
     disk, so "N completions" does not mean "the first N are safe"; read
-    completion per command id."""
+    completion per command id.
 
-    def __init__(self, session: Session, exchange: str, routing_key: str, capacity: int, rate: float | None,
-                 flow_notify: float, flow_timeout: float | None, durable: bool = False) -> None:
+    Its session calls :meth:`on_completed`, :meth:`on_refused` and
+    :meth:`wake` as the broker reports on its transfers; they are not for
+    applications.
+
+    Attributes:
+      session: the session it is on.
+      capacity: the most transfers that may be incomplete at once.
+      incomplete: its transfers sent and not complete yet.
+      max_incomplete: the most that were ever incomplete at once.
+      errors: the broker's refusals of its transfers not raised yet; the next
+        call raises the first.
+      closed: whether :meth:`close` was called.
+      flow_notify: seconds between the warnings of a send held by flow control.
+      flow_timeout: seconds a send waits for flow control before it gives up
+        (None: no limit).
+    """
+
+    def __init__(self, session: SenderSession, exchange: str, routing_key: str, capacity: int,
+                 rate: float | None, flow_notify: float, flow_timeout: float | None, durable: bool = False) -> None:
         self.session = session
         self._durable = bool(durable)
         self._exchange = exchange
@@ -149,11 +202,18 @@ class Sender:
     routing_key = _head_part("_routing_key", "The routing key its messages carry unless a send gives one.")
     durable = _head_part("_durable", "Whether its messages are persistent unless a send says otherwise.")
 
-    def _complete(self, n: int) -> None:
+    # -- reports from the session ------------------------------------------------
+    def on_completed(self, n: int) -> None:
+        """``n`` more of its transfers are complete: as many sends may go."""
         self.incomplete -= n
         self._space.set()
 
-    def _wake(self) -> None:
+    def on_refused(self, error: QflowError) -> None:
+        """The broker refused one of its transfers: the next call raises ``error``."""
+        self.errors.append(error)
+
+    def wake(self) -> None:
+        """Wake the task waiting in a send or sync, to look again (its session ended)."""
         self._space.set()
 
     def _raise_errors(self) -> None:
@@ -164,13 +224,28 @@ class Sender:
     async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
                    correlation_id: str | None = None, content_type: str | None = None, durable: bool | None = None,
                    headers: dict[str, Any] | None = None) -> None:
-        """Send one message; waits while ``capacity`` transfers are incomplete.
-        ``durable`` (default: the sender's) marks it persistent: on a durable
-        queue its transfer completes only once the broker has it on disk.
-        Raises the broker's error for an earlier transfer that it refused, and
-        ResourceLimitExceeded (nothing sent, the session still usable) for a
-        message whose transfer would be larger than the connection's
-        negotiated frame size."""
+        """Send one message, waiting while ``capacity`` transfers are incomplete.
+
+        It returns once the transfer is queued for the connection's writer,
+        not once the broker has it: :meth:`sync` waits for that.
+
+        Args:
+          body: the message's body (a str is sent as UTF-8).
+          routing_key: instead of the sender's.
+          message_id, correlation_id, content_type: the message's properties of those names.
+          durable: whether it is persistent (None: the sender's ``durable``);
+            on a durable queue its transfer completes only once the broker
+            has it on disk.
+          headers: application headers, a map.
+
+        Raises:
+          QflowError: the broker's refusal of an earlier transfer of this sender.
+          ResourceLimitExceeded: if its transfer would be larger than the
+            connection's negotiated frame size; nothing is sent, and the
+            session stays usable.
+          FlowControlTimeout: if it waited ``flow_timeout`` seconds for room; not sent.
+          ConnectionClosed: if the session or its connection ended.
+        """
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
@@ -194,7 +269,7 @@ class Sender:
         if not parts:
             # Pieces waiting mean the writer was woken for them and will take
             # these too (it writes until there are none).
-            self._conn._wake.set()
+            self._conn.wakeup.set()
         parts.append(prefix)
         parts.append(body)
         incomplete += 1
@@ -209,14 +284,25 @@ class Sender:
 
     async def send_with(self, body: bytes | str, properties: dict[str, Any] | None, *,
                         routing_key: str | None = None) -> None:
-        """Send one message with a properties map the caller built, with any
-        of message.transfer's keys (``message_id``, ``correlation_id``,
-        ``content_type``, ``durable``, ``headers``, ``timestamp``: milliseconds
-        since the Unix epoch; the broker does not stamp messages). For a writer
-        that sets them per message, such as the Spark writer; otherwise as
-        ``send``. A map is taken as it is (no ``durable``: transient); None
-        is the sender's default. ``send`` itself takes no timestamp: a
-        parameter more would cost its per-message path a few percent."""
+        """Send one message with a properties map the caller built; otherwise
+        as :meth:`send`.
+
+        For a writer that sets the properties per message, such as the Spark
+        writer. :meth:`send` itself takes no timestamp: a parameter more would
+        cost its per-message path a few percent.
+
+        Args:
+          body: the message's body (a str is sent as UTF-8).
+          properties: any of message.transfer's keys (``message_id``,
+            ``correlation_id``, ``content_type``, ``durable``, ``headers``,
+            ``timestamp``: milliseconds since the Unix epoch; the broker does
+            not stamp messages). Taken as it is: without ``durable`` the
+            message is transient. None: the sender's default properties.
+          routing_key: instead of the sender's.
+
+        Raises:
+          As :meth:`send`.
+        """
         if properties is None and self._durable:
             properties = {"durable": True}
         props = properties or None
@@ -268,22 +354,37 @@ class Sender:
                         content_type: str | None = None, durable: bool | None = None,
                         headers: dict[str, Any] | None = None, timestamp: int | None = None,
                         message_ids: Sequence[str] | None = None) -> int:
-        """Send one message per body, in order, all with the same routing key and
-        properties; returns how many were sent. The same as calling ``send`` for
-        each body (the capacity still bounds the incomplete transfers, and
-        ``send_many`` waits while it is reached), at a fraction of the cost per
-        message: transfers are encoded in runs as long as the window allows.
-        ``message_ids``, one str per body, gives each message its own id
-        (instead of ``message_id``, the same for all); the broker still takes
-        such transfers as one run. Raises ValueError, sending nothing, when
-        their numbers differ or an id is not a str. ``timestamp``
-        (milliseconds since the Unix epoch) is the same for all; with
-        ``message_ids`` it follows each id in the properties, which the
-        broker still takes as one run.
-        A refusal of an earlier transfer is raised, and the bodies not yet sent
-        then are not sent. A body too large for the connection's frames raises
-        ResourceLimitExceeded: the bodies before it are sent, it and those
-        after it are not."""
+        """Send one message per body, in order, all with the same routing key
+        and properties.
+
+        The same as calling :meth:`send` for each body (the capacity still
+        bounds the incomplete transfers, and ``send_many`` waits while it is
+        reached), at a fraction of the cost per message: transfers are
+        encoded in runs as long as the window allows.
+
+        Args:
+          bodies: the messages' bodies.
+          routing_key, message_id, correlation_id, content_type, durable, headers:
+            as for :meth:`send`, the same for every message.
+          timestamp: milliseconds since the Unix epoch, the same for all; with
+            ``message_ids`` it follows each id in the properties.
+          message_ids: one str per body, giving each message its own id
+            (instead of ``message_id``, the same for all); the broker still
+            takes such transfers as one run.
+
+        Returns:
+          How many messages were sent.
+
+        Raises:
+          ValueError: if ``message_ids`` and ``bodies`` differ in number, an id
+            is not a str, or both ``message_id`` and ``message_ids`` are given;
+            nothing is sent.
+          QflowError: the broker's refusal of an earlier transfer; the bodies
+            not sent yet then are not sent.
+          ResourceLimitExceeded: if a body is too large for the connection's
+            frames; the bodies before it are sent, it and those after it are not.
+          FlowControlTimeout, ConnectionClosed: as for :meth:`send`.
+        """
         if durable is None:
             durable = self._durable
         if message_ids is not None:
@@ -347,7 +448,7 @@ class Sender:
         before, after = around
         parts = self._parts
         if not parts:
-            self._conn._wake.set()
+            self._conn.wakeup.set()
         append = parts.append
         # The largest body and id that surely fit the frame: less the head, and the str and
         # bin headers (5 bytes each at most); past that, _check_size says.
@@ -384,7 +485,7 @@ class Sender:
         prefix (cached if plain, ``head`` and its bin header if not) and body."""
         parts = self._parts
         if not parts:
-            self._conn._wake.set()
+            self._conn.wakeup.set()
         append = parts.append
         start = len(parts)
         max_body = self._max_body(head)
@@ -429,7 +530,7 @@ class Sender:
             self._raise_errors()
             self._space = trio.Event()
             with trio.move_on_at(min(next_notice, deadline)):
-                # No task per wait: a session shutting down sets _space itself (Session._shutdown).
+                # No task per wait: a session that ends wakes its senders (wake()).
                 await self._space.wait()
                 continue
             now = trio.current_time()
@@ -444,18 +545,27 @@ class Sender:
         self._raise_errors()
 
     async def sync(self) -> None:
-        """Wait until every transfer of this sender is complete; raises the
-        first refusal among them, if any."""
+        """Wait until every transfer of this sender is complete.
+
+        It asks the broker for a completion report at once (session.flush)
+        rather than waiting for the broker's next one.
+
+        Raises:
+          QflowError: the broker's first refusal among them, if any.
+          ConnectionClosed: if the session or its connection ended.
+        """
         self._raise_errors()
-        self.session._flush()
+        self.session.flush()
         while self.incomplete:
             self._raise_errors()
             self._space = trio.Event()
-            await self._space.wait()  # set by a completion or Session._shutdown
+            await self._space.wait()  # set by a completion, or wake() when the session ends
         self._raise_errors()
 
     def close(self) -> None:
-        """Stop sending: this sender's capacity no longer counts in the session's."""
+        """Stop sending: its capacity no longer counts in what the session
+        tells the broker it may have incomplete. Its transfers already sent
+        still complete."""
         if not self.closed:
             self.closed = True
-            self.session._announce_capacity()
+            self.session.announce_capacity()

@@ -1,11 +1,17 @@
 """Sessions: a connection's channels, each numbering its own commands, with
-the queue and exchange commands, and the senders and receivers made on it."""
+the queue and exchange commands, and the senders and receivers made on it.
+
+A session knows its connection only as a :class:`SessionConnection`: where
+it writes its frames, and how it wakes the writer. Its senders and receivers
+reach it through the methods their modules' protocols name
+(qflow.client.sender.SenderSession, qflow.client.receiver.ReceiverSession).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -14,13 +20,24 @@ from qflow.client.errors import ConnectionClosed, QflowError, error_for
 from qflow.client.receiver import Receiver
 from qflow.client.sender import Sender
 from qflow.protocol.commands import OutgoingCommands
+from qflow.protocol.connection import ProtocolConnection
+from qflow.protocol.framing import FrameEncoder
 from qflow.protocol.names import printable
 from qflow.protocol.ranges import MAX_RANGES, RangeSet
 
-if TYPE_CHECKING:
-    from qflow.client.connection import Connection
-
 log = logging.getLogger("qflow.client")
+
+
+class SessionConnection(Protocol):
+    """What a session uses of its connection (:class:`qflow.client.Connection` is one)."""
+
+    protocol: ProtocolConnection
+    encoder: FrameEncoder
+
+    @property
+    def max_frame_size(self) -> int: ...
+
+    def wake(self) -> None: ...
 
 
 class _Waiter:
@@ -35,51 +52,96 @@ class _Waiter:
 
 
 class Session:
-    """A session on a connection (Connection.session makes one): its commands
-    are numbered, and the broker reports them complete, per session. Queue
-    and exchange commands wait for their result; senders and receivers are
-    made here."""
+    """A session on a connection: the queue and exchange commands, and the
+    senders and receivers made on it (:meth:`Connection.session
+    <qflow.client.Connection.session>` makes one).
 
-    def __init__(self, conn: Connection, name: str) -> None:
+    Its commands are numbered, and the broker reports them complete, per
+    session. The queue and exchange commands wait for their result and raise
+    the broker's refusal as the QflowError for its code.
+
+    Its connection calls the ``on_*`` methods as the broker's frames for it
+    arrive; they, and the commands its senders and receivers send through
+    it (:meth:`flush`, :meth:`announce_capacity`, :meth:`add_credit`,
+    :meth:`accept`, :meth:`release`, :meth:`cancel`), are the client's own
+    and not needed by applications.
+
+    Attributes:
+      conn: the connection it is on.
+      name: its name, as given to ``Connection.session``.
+      channel: its channel number on the connection.
+      commands: its numbering of the commands it sent, and which are complete.
+      senders: the senders made on it.
+      receivers: its receivers by destination.
+      held_by: what holds its transfers now (a queue whose flow is stopped,
+        or a broker-wide holder such as the memory alarm) -> the trio time
+        the broker said so.
+      holders: the names in ``held_by`` that are broker-wide holders, not queues.
+      error: why it ended (ConnectionClosed), or None while it is usable.
+    """
+
+    def __init__(self, conn: SessionConnection, name: str) -> None:
         self.conn = conn
         self.name = name
         self.commands = OutgoingCommands()
         self.senders: list[Sender] = []
         self.receivers: dict[str, Receiver] = {}
-        self.held_by: dict[str, float] = {}  # queue or holder -> trio time its flow notice arrived
-        # The names in held_by that are broker-wide holders (the memory alarm, the store's disk quota), not queues.
+        self.held_by: dict[str, float] = {}
         self.holders: set[str] = set()
         self.error: ConnectionClosed | None = None
-        self._attached = trio.Event()  # set by session.attached, or _shutdown
+        self._attached = trio.Event()  # set by session.attached, or the session's end
         self._next_destination = 0
         self.channel = conn.protocol.attach(name, self)  # writes session.attach
 
+    async def wait_attached(self) -> None:
+        """Wait for the broker's session.attached.
+
+        Raises:
+          ConnectionClosed: if the session ended first.
+        """
+        await self._attached.wait()
+        self.check()
+
     # -- frames from the connection ------------------------------------------
-    def _completed(self, wire: list[int]) -> None:
+    def on_attached(self) -> None:
+        """The broker's session.attached arrived."""
+        self._attached.set()
+
+    def on_completed(self, wire: list[int]) -> None:
+        """The broker's session.completed: the commands in ``wire`` (ranges,
+        as on the wire) are complete. Wakes the calls waiting on them, and
+        frees room in their senders' windows."""
         for owner, n in self.commands.completed_counts(wire).items():
             if owner is None:
                 continue
             if type(owner) is _Waiter:
                 owner.event.set()
             else:
-                owner._complete(n)
+                owner.on_completed(n)
 
-    def _result(self, cid: int, value: Any) -> None:
+    def on_result(self, cid: int, value: Any) -> None:
+        """The broker's result of command ``cid``: what its call returns."""
         owner = self.commands.owner_of(cid)
         if type(owner) is _Waiter:
             owner.result = value
 
-    def _exception(self, cid: int, code: int, text: str) -> None:
+    def on_failed(self, cid: int, code: int, text: str) -> None:
+        """The broker refused command ``cid``: its call, or its sender's
+        next, raises the error for ``code``; a refusal nobody waits for is
+        logged."""
         owner = self.commands.owner_of(cid)
         err = error_for(code, text)
         if type(owner) is _Waiter:
             owner.error = err
         elif isinstance(owner, Sender):
-            owner.errors.append(err)
+            owner.on_refused(err)
         else:
             log.warning("broker refused command %d: %s", cid, printable(err))
 
-    def _flow_notice(self, name: str, held: bool, holder: bool) -> None:
+    def on_flow_notice(self, name: str, held: bool, holder: bool) -> None:
+        """The broker's flow notice: ``name`` (a queue, or a broker-wide
+        holder if ``holder``) now holds this session's transfers, or no
+        longer does."""
         if held:
             self.held_by[name] = trio.current_time()
             if holder:
@@ -88,14 +150,9 @@ class Session:
             self.held_by.pop(name, None)
             self.holders.discard(name)
 
-    def held_text(self) -> str:
-        """What holds this session's transfers now, for people: "queue orders,
-        the store disk quota" ("none" when nothing does)."""
-        return describe_holds(self.held_by, self.holders) or "none"
-
-    def _shutdown(self, error: ConnectionClosed) -> None:
+    def on_end(self, error: ConnectionClosed) -> None:
         """The session has ended (detached, or its connection ended): every
-        waiting call wakes and raises ``error``."""
+        waiting call wakes and raises ``error``, as does every later one."""
         self.error = error
         self._attached.set()
         for owner in list(self.commands.incomplete.values()):
@@ -103,12 +160,22 @@ class Session:
                 owner.error = owner.error or error
                 owner.event.set()
         for sender in self.senders:
-            sender._wake()
+            sender.wake()
         for receiver in self.receivers.values():
-            receiver._event.set()
+            receiver.wake()
+
+    def held_text(self) -> str:
+        """What holds this session's transfers now, for people: "queue orders,
+        the store disk quota" ("none" when nothing does)."""
+        return describe_holds(self.held_by, self.holders) or "none"
 
     # -- commands ---------------------------------------------------------------
     def check(self) -> None:
+        """Raise the session's error, if it has ended.
+
+        Raises:
+          ConnectionClosed: why it ended.
+        """
         if self.error is not None:
             raise self.error
 
@@ -119,16 +186,83 @@ class Session:
         self.conn.wake()
         return cid
 
-    def _flush(self) -> None:
-        """session.flush: ask for a completion report now."""
+    def flush(self) -> None:
+        """Ask the broker for a completion report now (session.flush), rather
+        than at its next.
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
         self.check()
         self.conn.protocol.flush(self.channel)
         self.conn.wake()
 
+    def announce_capacity(self) -> None:
+        """Tell the broker how many transfers this session's open senders
+        may have incomplete in all (session.sender-capacity).
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
+        self._send_command(P.SENDER_CAPACITY, sum(s.capacity for s in self.senders if not s.closed))
+
+    # add_credit, accept and release are _send_command inlined: with capacity 1 or
+    # ack_frequency 1, or an accept per message, they are called once per message.
+    def add_credit(self, destination: str, messages: int) -> None:
+        """Let the broker send ``messages`` more to the subscription
+        ``destination`` (message.flow).
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
+        if self.error is not None:
+            raise self.error
+        self.commands.send(None)
+        self.conn.encoder.write([P.FLOW, self.channel, destination, messages, 0])
+        self.conn.wake()
+
+    def accept(self, ids: RangeSet) -> None:
+        """Accept the deliveries numbered ``ids`` (message.accept): the broker
+        removes their messages from their queues.
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
+        if self.error is not None:
+            raise self.error
+        self.commands.send(None)
+        self.conn.encoder.write([P.ACCEPT, self.channel, ids.to_wire()])
+        self.conn.wake()
+
+    def release(self, ids: RangeSet) -> None:
+        """Release the deliveries numbered ``ids`` (message.release): the
+        broker puts their messages back, marked redelivered.
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
+        if self.error is not None:
+            raise self.error
+        self.commands.send(None)
+        self.conn.encoder.write([P.RELEASE, self.channel, ids.to_wire()])
+        self.conn.wake()
+
+    async def cancel(self, destination: str) -> None:
+        """Cancel the subscription ``destination`` (message.cancel) and wait
+        for the broker to have done it; its receiver is then no longer this
+        session's.
+
+        Raises:
+          NotFound: if the session has no such subscription.
+          ConnectionClosed: if the session has ended.
+        """
+        await self._call(P.CANCEL, destination)
+        self.receivers.pop(destination, None)
+
     async def _call(self, code: int, *fields: Any) -> Any:
         """Send a command and wait for it to complete; its result, or the
         broker's refusal raised. No task per call: the waiter's event is set
-        by the completion, or by _shutdown when the session ends."""
+        by the completion, or by on_end when the session ends."""
         waiter = _Waiter()
         self._send_command(code, *fields, owner=waiter)
         await waiter.event.wait()
@@ -140,30 +274,82 @@ class Session:
     async def declare_queue(self, name: str, *, durable: bool = False, exclusive: bool = False,
                             auto_delete: bool = False, arguments: dict[str, Any] | None = None,
                             passive: bool = False) -> dict[str, Any]:
+        """Declare the queue ``name``: create it unless it exists.
+
+        Args:
+          name: the queue's name.
+          durable: kept, with its persistent messages, across a broker restart.
+          exclusive: usable only by this session, and deleted when it ends.
+          auto_delete: deleted once its last consumer goes.
+          arguments: its limits and flow thresholds (``qpid.flow_stop_count``, ...).
+          passive: only check that it exists; create nothing.
+
+        Returns:
+          ``{"queue": name, "created": bool}``.
+
+        Raises:
+          NotFound: ``passive``, and there is no such queue.
+          InvalidArgument, PreconditionFailed, NotAllowed, ResourceLocked: the broker's refusal.
+          ConnectionClosed: if the session has ended.
+        """
         return await self._call(P.QUEUE_DECLARE, name, durable, exclusive, auto_delete, arguments or {}, passive)
 
     async def delete_queue(self, name: str, *, if_empty: bool = False, if_unused: bool = False) -> dict[str, Any]:
+        """Delete the queue ``name`` and its messages.
+
+        Args:
+          if_empty: only if it has no messages.
+          if_unused: only if it has no consumers.
+
+        Returns:
+          ``{"messages": n}``: how many messages it had.
+
+        Raises:
+          NotFound: there is no such queue.
+          PreconditionFailed: ``if_empty`` or ``if_unused`` did not hold.
+          ConnectionClosed: if the session has ended.
+        """
         return await self._call(P.QUEUE_DELETE, name, if_empty, if_unused)
 
     async def remove_through(self, name: str, sequence: int) -> int:
-        """Remove every available message of ``name`` with a sequence number up
-        to and including ``sequence``; returns how many were removed."""
+        """Remove every available message of the queue ``name`` with a
+        sequence number up to and including ``sequence``.
+
+        Returns:
+          How many were removed.
+        """
         return (await self._call(P.QUEUE_REMOVE_THROUGH, name, sequence))["messages"]
 
     async def available(self, name: str, after: int = 0, limit: int = -1) -> dict[str, Any]:
-        """Which messages of ``name`` are available above sequence ``after`` (the
-        first ``limit``; -1: all): ``{incarnation, sequences, firstSequence,
-        lastSequence}``, ``sequences`` as a RangeSet."""
+        """Which messages of the queue ``name`` are available above sequence
+        ``after``.
+
+        Args:
+          after: only sequence numbers above this.
+          limit: at most this many (-1: all).
+
+        Returns:
+          ``{"incarnation", "sequences", "firstSequence", "lastSequence"}``,
+          ``sequences`` as a RangeSet.
+        """
         result = await self._call(P.QUEUE_AVAILABLE, name, after, limit)
         result["sequences"] = RangeSet.from_wire(result["sequences"])
         return result
 
     async def remove_sequences(self, name: str, incarnation: str, sequences: RangeSet) -> int:
-        """Remove exactly the available messages of ``name`` numbered in
-        ``sequences``, if the queue is still ``incarnation`` (else the broker
-        refuses with PRECONDITION_FAILED and removes nothing); returns how many went.
-        More than MAX_RANGES ranges go in several commands, in order: a refusal
-        of a later one leaves the earlier ones' removals done."""
+        """Remove exactly the available messages of the queue ``name``
+        numbered in ``sequences``, if the queue is still ``incarnation``.
+
+        More than MAX_RANGES ranges go in several commands, in order: a
+        refusal of a later one leaves the earlier ones' removals done.
+
+        Returns:
+          How many were removed.
+
+        Raises:
+          PreconditionFailed: the queue is not ``incarnation`` (deleted and
+            declared again); nothing is removed.
+        """
         wire = sequences.to_wire()
         step = 2 * MAX_RANGES
         removed = 0
@@ -176,57 +362,124 @@ class Session:
         return (await self._call(P.QUEUE_LIST))["queues"]
 
     async def purge_queue(self, name: str) -> dict[str, Any]:
+        """Remove every message available on the queue ``name`` now.
+
+        Returns:
+          ``{"messages": n}``: how many were removed.
+        """
         return await self._call(P.QUEUE_PURGE, name)
 
     async def query_queue(self, name: str) -> dict[str, Any]:
-        """The queue's statistics, with the QMF names (msgDepth, flowStopped, ...)."""
+        """The statistics of the queue ``name``, with the QMF names
+        (``msgDepth``, ``flowStopped``, ...).
+
+        Raises:
+          NotFound: there is no such queue.
+        """
         return await self._call(P.QUEUE_QUERY, name)
 
     async def modify_queue(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Change a live queue's limits or flow thresholds."""
+        """Change the limits or flow thresholds of the queue ``name`` while it is in use.
+
+        Args:
+          arguments: the arguments to change, as ``declare_queue`` takes them.
+
+        Returns:
+          Its statistics afterwards, as ``query_queue``.
+        """
         return await self._call(P.QUEUE_MODIFY, name, arguments)
 
     async def declare_exchange(self, name: str, type: str = "direct", *, durable: bool = False,
                                passive: bool = False) -> dict[str, Any]:
+        """Declare the exchange ``name``: create it unless it exists.
+
+        Args:
+          type: ``direct``, ``fanout`` or ``topic``.
+          durable: kept across a broker restart.
+          passive: only check that it exists; create nothing.
+
+        Returns:
+          ``{"exchange": name, "created": bool}``.
+
+        Raises:
+          NotFound: ``passive``, and there is no such exchange.
+        """
         return await self._call(P.EXCHANGE_DECLARE, name, type, durable, passive)
 
     async def delete_exchange(self, name: str, *, if_unused: bool = False) -> None:
+        """Delete the exchange ``name`` (``if_unused``: only if no queue is bound to it)."""
         await self._call(P.EXCHANGE_DELETE, name, if_unused)
 
     async def bind(self, exchange: str, queue: str, key: str = "") -> None:
+        """Bind ``queue`` to ``exchange`` with the binding key ``key``."""
         await self._call(P.EXCHANGE_BIND, exchange, queue, key)
 
     async def unbind(self, exchange: str, queue: str, key: str = "") -> None:
+        """Remove the binding of ``queue`` to ``exchange`` with ``key``."""
         await self._call(P.EXCHANGE_UNBIND, exchange, queue, key)
 
     async def sync(self) -> None:
-        """execution.sync: wait until every command sent so far is complete."""
+        """Wait until every command this session sent so far is complete
+        (execution.sync), its senders' transfers included."""
         await self._call(P.SYNC)
 
     def sender(self, address: str, *, capacity: int = 1000, rate: float | None = None,
                flow_notify: float = 5.0, flow_timeout: float | None = None, durable: bool = False) -> Sender:
-        """A sender to ``address``: a queue name (default exchange) or ``EXCHANGE/ROUTING-KEY``.
-        ``durable=True``: its messages are persistent unless a send says ``durable=False``."""
+        """A new sender on this session.
+
+        Args:
+          address: a queue name (sent through the default exchange) or
+            ``EXCHANGE/ROUTING-KEY``.
+          capacity: the most transfers it may have incomplete at once.
+          rate: at most this many sends a second (None: no limit).
+          flow_notify: seconds between the warnings of a send held by flow control.
+          flow_timeout: seconds a send waits for flow control before it raises
+            FlowControlTimeout (None: no limit).
+          durable: its messages are persistent unless a send says ``durable=False``.
+
+        Returns:
+          The Sender.
+
+        Raises:
+          ValueError: if ``capacity`` is less than 1.
+          ConnectionClosed: if the session has ended.
+        """
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         exchange, _, key = address.partition("/") if "/" in address else ("", "", address)
         sender = Sender(self, exchange, key, capacity, rate, flow_notify, flow_timeout, durable)
         self.senders.append(sender)
-        self._announce_capacity()
+        self.announce_capacity()
         return sender
-
-    def _announce_capacity(self) -> None:
-        self._send_command(P.SENDER_CAPACITY, sum(s.capacity for s in self.senders if not s.closed))
 
     async def receiver(self, queue: str, *, capacity: int = 1000, accept: str = "auto",
                        destination: str | None = None, rate: float | None = None,
                        ack_frequency: int | None = None, browse: bool = False,
                        start_sequence: int = 0) -> Receiver:
-        """Subscribe to ``queue``. ``accept``: ``auto`` (fetched messages are
-        accepted in batches), ``explicit`` (call ``accept``), or ``none`` (the
-        broker dequeues on delivery). ``capacity`` is the credit window in messages.
-        ``browse=True`` reads without removing (as Qpid's browse mode), from the
-        message with sequence number ``start_sequence`` on."""
+        """Subscribe to ``queue``: a new receiver of its messages.
+
+        Args:
+          queue: the queue to receive from.
+          capacity: the credit window: how many messages the broker may send ahead.
+          accept: ``"auto"`` (fetched messages are accepted in batches),
+            ``"explicit"`` (the application calls ``accept``), or ``"none"``
+            (the broker removes each message as it delivers it).
+          destination: the subscription's name on the session (default: one made up).
+          rate: at most this many fetches a second (None: no limit).
+          ack_frequency: auto accept: how many fetched messages are accepted
+            at a time (default: half of ``capacity``).
+          browse: read without removing (as Qpid's browse mode), from the
+            message with sequence number ``start_sequence`` on.
+          start_sequence: with ``browse``, where to start.
+
+        Returns:
+          The Receiver, once the broker has made the subscription.
+
+        Raises:
+          ValueError: if ``accept`` is not one of the three, or ``capacity`` is less than 1.
+          NotFound: there is no such queue.
+          ConnectionClosed: if the session has ended.
+        """
         if accept not in ("auto", "explicit", "none"):
             raise ValueError("accept must be 'auto', 'explicit' or 'none'")
         if capacity < 1:
