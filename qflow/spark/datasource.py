@@ -893,14 +893,19 @@ def read_sequences(opts: ReadOptions, queue_name: str, incarnation: str, sequenc
     handoff: _queue.Queue = _queue.Queue(maxsize=2)
     stop = threading.Event()
 
-    def put(item: Any) -> None:
+    def hand_over(item: Any) -> bool:
+        """Put ``item`` in the hand-off; False if Spark stopped taking items first."""
         while not stop.is_set():
             try:
-                handoff.put(item, timeout=0.5)
-                return
+                handoff.put(item, timeout=0.5)  # a timeout, so that a stop is seen while Spark takes nothing
+                return True
             except _queue.Full:
                 continue
-        raise _Stopped()
+        return False
+
+    def put(item: Any) -> None:
+        if not hand_over(item):
+            raise _Stopped()
 
     def run() -> None:
         try:
@@ -911,12 +916,7 @@ def read_sequences(opts: ReadOptions, queue_name: str, incarnation: str, sequenc
             return
         except BaseException as exc:  # handed to the task's thread, which raises it
             result = exc
-        while not stop.is_set():
-            try:
-                handoff.put(result, timeout=0.5)
-                return
-            except _queue.Full:
-                continue
+        hand_over(result)
 
     thread = threading.Thread(target=run, name=f"qflow-read-{queue_name}", daemon=True)
     thread.start()
