@@ -66,6 +66,7 @@ from pyspark.sql.types import (
 )
 
 import qflow
+from qflow.client.address import AddressError, parse_address
 from qflow.client.message import arrow_columns
 from qflow.protocol.ranges import RangeSet
 
@@ -139,31 +140,35 @@ WRITE_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "exchange", "routingkey", "capacit
                                      "durable"}
 
 
+# What each AddressError.problem of option 'broker' says.
+_BROKER_PROBLEMS = {
+    "empty": "qflow option 'broker' is empty: use host:port, e.g. 127.0.0.1:5672",
+    "brackets": "qflow option 'broker' {value!r} is not [address]:port",
+    "ipv6": "qflow option 'broker' {value!r}: write an IPv6 address as [address]:port",
+    "no host": "qflow option 'broker' {value!r} has no host",
+    "host": "qflow option 'broker' {value!r}: {host!r} is not a host name or address",
+    "port": "qflow option 'broker' {value!r}: port {port!r} is not a number",
+    "range": "qflow option 'broker' {value!r}: port must be 1..65535",
+}
+
+
 def parse_broker(value: str) -> tuple[str, int]:
-    """``host:port``, ``[v6-address]:port`` or ``host`` (port 5672)."""
-    text = value.strip()
-    if not text:
-        raise QflowOptionError("qflow option 'broker' is empty: use host:port, e.g. 127.0.0.1:5672")
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise QflowOptionError(f"qflow option 'broker' {value!r} is not [address]:port")
-        port_text = rest[1:] if rest else "5672"
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    elif ":" in text:
-        raise QflowOptionError(f"qflow option 'broker' {value!r}: write an IPv6 address as [address]:port")
-    else:
-        host, port_text = text, "5672"
-    if not host:
-        raise QflowOptionError(f"qflow option 'broker' {value!r} has no host")
+    """The host and port of option ``broker``.
+
+    ``host:port``, ``[v6-address]:port`` or ``host`` (port 5672), as
+    :func:`qflow.client.address.parse_address` reads them; a host is needed.
+
+    Args:
+      value: the option's value.
+
+    Raises:
+      QflowOptionError: naming the option, its value and what is wrong.
+    """
     try:
-        port = int(port_text)
-    except ValueError:
-        raise QflowOptionError(f"qflow option 'broker' {value!r}: port {port_text!r} is not a number") from None
-    if not 0 < port < 65536:
-        raise QflowOptionError(f"qflow option 'broker' {value!r}: port must be 1..65535")
-    return host, port
+        return parse_address(value)
+    except AddressError as exc:
+        raise QflowOptionError(_BROKER_PROBLEMS[exc.problem].format(value=value, host=exc.host, port=exc.port)
+                               ) from None
 
 
 def _int(opts: dict[str, str], key: str, name: str, default: int | None, minimum: int) -> int | None:
