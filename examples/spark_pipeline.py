@@ -107,12 +107,8 @@ def on_broker(broker: str, fn: Any, *args: Any, timeout: float = 30) -> Any:
 
     async def main() -> Any:
         with trio.fail_after(timeout):
-            conn = await qflow.connect(host, port, name="pipeline")
-        try:
-            with trio.fail_after(timeout):
+            async with qflow.open_connection(host, port, name="pipeline") as conn:
                 return await fn(await conn.session(), *args)
-        finally:
-            await conn.close()
 
     return trio.run(main)
 

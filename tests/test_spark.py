@@ -97,11 +97,8 @@ def broker(daemon: Daemon) -> str:
 def on_broker(daemon: Daemon, fn: Any, *args: Any, timeout: float = 60) -> Any:
     async def main() -> Any:
         with trio.fail_after(timeout):
-            conn = await qflow.connect("127.0.0.1", daemon.port)
-            try:
+            async with qflow.open_connection("127.0.0.1", daemon.port) as conn:
                 return await fn(await conn.session(), *args)
-            finally:
-                await conn.close()
 
     return trio.run(main)
 

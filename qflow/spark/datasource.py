@@ -20,9 +20,10 @@ transfer is complete. Each message gets a deterministic id,
 ``BATCH-PARTITION-ROW``, so a consumer can drop the duplicates a retried task
 sends, and a ``timestamp`` property.
 
-Everything held by the classes here pickles: a task opens its own connection
-inside ``read``/``write`` (a short ``trio.run`` per call) and closes it before
-returning.
+Everything held by the classes here pickles: each conversation with the
+broker, the driver's or a task's inside ``read``/``write``, is a short
+``trio.run`` whose connection is opened with ``qflow.open_connection`` in that
+program's own nursery and closed before it returns.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,7 +246,12 @@ class Endpoint:
                    files["sslKeyFile"])
 
     def connect_options(self) -> dict[str, Any]:
-        """qflow.connect's credentials and TLS context for these options."""
+        """The keyword arguments of qflow.open_connection for this endpoint:
+        credentials, the TLS context (the files read now), the SASL mechanism.
+
+        Raises:
+          QflowOptionError: if a TLS file cannot be read or used.
+        """
         options: dict[str, Any] = {} if self.username is None else {"username": self.username,
                                                                    "password": self.password}
         if self.ssl:
@@ -257,18 +264,6 @@ class Endpoint:
             if self.username is None and self.ssl_cert_file is not None:
                 options["mechanism"] = "EXTERNAL"
         return options
-
-    async def connect(self) -> qflow.client.Connection:
-        credentials = self.connect_options()
-        try:
-            with trio.fail_after(self.connect_timeout):
-                return await qflow.connect(self.host, self.port, name="qflow.spark", **credentials)
-        except trio.TooSlowError:
-            raise ConnectionError(f"qflow: no answer from the broker at {self.host}:{self.port} "
-                                  f"within {self.connect_timeout:g} s (option connectTimeout)") from None
-        except OSError as exc:
-            raise ConnectionError(f"qflow: cannot connect to the broker at {self.host}:{self.port} "
-                                  f"(option broker): {exc}") from None
 
 
 def _sequence(text: str, name: str, words: str) -> int:
@@ -496,47 +491,73 @@ def _header_type_ok(t: Any) -> bool:
     return isinstance(t, StructType) and {f.name for f in t.fields} <= set(HEADER_FIELDS) and bool(t.fields)
 
 
-def _run(fn: Any, *args: Any) -> Any:
-    """Run one short trio program: the connector's every broker conversation."""
-    return trio.run(fn, *args)
+@asynccontextmanager
+async def open_session(endpoint: Endpoint) -> AsyncIterator[qflow.Session]:
+    """A session on a connection of its own to the broker at ``endpoint``,
+    for the ``async with`` block.
 
+    The connection's tasks run in a nursery of the calling task and end
+    with the block, which closes the connection. Opening it, and attaching
+    the session, may each take ``endpoint.connect_timeout`` seconds; what
+    the block does takes as long as it takes.
 
-async def _stats(endpoint: Endpoint, queue: str) -> dict[str, Any]:
-    conn = await endpoint.connect()
+    Args:
+      endpoint: the broker, the credentials and the TLS files.
+
+    Raises:
+      ConnectionError: if the broker cannot be reached, or does not answer
+        within the timeout, naming the option to look at.
+      QflowOptionError: if a TLS file cannot be read or used.
+      qflow.ConnectionClosed: if the broker refuses the connection
+        (qflow.TlsError: the TLS handshake fails).
+      trio.TooSlowError: if the session is not attached in time.
+    """
+    credentials = endpoint.connect_options()
+    opened = False
     try:
-        with trio.fail_after(endpoint.connect_timeout):
-            ssn = await conn.session()
-            return await ssn.query_queue(queue)
-    finally:
-        await conn.close()
+        with trio.CancelScope(deadline=trio.current_time() + endpoint.connect_timeout) as opening:
+            async with qflow.open_connection(endpoint.host, endpoint.port, name="qflow.spark",
+                                             **credentials) as conn:
+                opened = True
+                opening.deadline = math.inf  # the timeout is the opening's, not the block's
+                with trio.fail_after(endpoint.connect_timeout):
+                    ssn = await conn.session()
+                yield ssn
+    except OSError as exc:
+        if opened:  # the block's own
+            raise
+        raise ConnectionError(f"qflow: cannot connect to the broker at {endpoint.host}:{endpoint.port} "
+                              f"(option broker): {exc}") from None
+    if opening.cancelled_caught:
+        raise ConnectionError(f"qflow: no answer from the broker at {endpoint.host}:{endpoint.port} "
+                              f"within {endpoint.connect_timeout:g} s (option connectTimeout)")
 
 
-def queue_stats(endpoint: Endpoint, queue: str) -> dict[str, Any]:
-    try:
-        return _run(_stats, endpoint, queue)
-    except qflow.NotFound:
-        raise QflowOptionError(f"qflow: queue {queue!r} does not exist on the broker at "
-                               f"{endpoint.host}:{endpoint.port} (declare it first)") from None
+def on_session(endpoint: Endpoint, fn: Any, *args: Any) -> Any:
+    """Run ``await fn(endpoint, session, *args)`` as one trio program, on a
+    session of its own (:func:`open_session`).
+
+    Args:
+      endpoint: the broker to talk to.
+      fn: an async function taking the endpoint, the session and ``args``.
+      *args: passed on to ``fn``.
+
+    Returns:
+      What ``fn`` returns.
+
+    Raises:
+      What :func:`open_session` raises, and what ``fn`` raises.
+    """
+    async def conversation() -> Any:
+        async with open_session(endpoint) as ssn:
+            return await fn(endpoint, ssn, *args)
+
+    return trio.run(conversation)
 
 
-async def _remove_through(endpoint: Endpoint, queue: str, sequence: int) -> int:
-    conn = await endpoint.connect()
-    try:
-        with trio.fail_after(endpoint.connect_timeout):
-            ssn = await conn.session()
-            return await ssn.remove_through(queue, sequence)
-    finally:
-        await conn.close()
-
-
-async def _remove_sequences(endpoint: Endpoint, queue: str, incarnation: str, sequences: RangeSet) -> int:
-    conn = await endpoint.connect()
-    try:
-        with trio.fail_after(endpoint.connect_timeout):
-            ssn = await conn.session()
-            return await ssn.remove_sequences(queue, incarnation, sequences)
-    finally:
-        await conn.close()
+async def _remove_through(endpoint: Endpoint, ssn: qflow.Session, queue: str, sequence: int) -> int:
+    with trio.fail_after(endpoint.connect_timeout):
+        return await ssn.remove_through(queue, sequence)
 
 
 def remove_through(broker: str, queue: str, sequence: int, connect_timeout: float = 10.0,
@@ -544,7 +565,8 @@ def remove_through(broker: str, queue: str, sequence: int, connect_timeout: floa
     """Remove every available message of ``queue`` with a sequence number up
     to and including ``sequence`` (what a job that read them commits)."""
     host, port = parse_broker(broker)
-    return _run(_remove_through, Endpoint(host, port, connect_timeout, username, password), queue, int(sequence))
+    endpoint = Endpoint(host, port, connect_timeout, username, password)
+    return on_session(endpoint, _remove_through, queue, int(sequence))
 
 
 # -- reading ----------------------------------------------------------------------
@@ -868,16 +890,11 @@ async def _read_task(opts: ReadOptions, queue: str, incarnation: str, sequences:
     async def emit(cols: _Columns) -> None:
         await trio.to_thread.run_sync(put, cols.batch(indices))
 
-    conn = await opts.endpoint.connect()
-    try:
-        with trio.fail_after(opts.endpoint.connect_timeout):
-            ssn = await conn.session()
+    async with open_session(opts.endpoint) as ssn:
         try:
             gone = await _browse_wanted(opts, ssn, queue, incarnation, sequences, emit)
         except qflow.NotFound:  # the queue was deleted under the read
             gone = sequences
-    finally:
-        await conn.close()
     if gone:
         data_loss(opts, queue, f"sequences {describe(gone)}, planned for this read, are no longer in the queue "
                                f"(overwritten by a ring queue, removed or taken by another consumer, or the "
@@ -974,16 +991,6 @@ def _indices(schema: StructType) -> list[int] | None:
     return [COLUMNS.index(n) for n in names]
 
 
-async def _on_session(endpoint: Endpoint, fn: Any, *args: Any) -> Any:
-    conn = await endpoint.connect()
-    try:
-        with trio.fail_after(endpoint.connect_timeout):
-            ssn = await conn.session()
-        return await fn(endpoint, ssn, *args)
-    finally:
-        await conn.close()
-
-
 async def _available_many(endpoint: Endpoint, ssn: qflow.Session, asks: list[tuple[str, int, int]]) -> list[dict]:
     out = []
     for queue, after, limit in asks:
@@ -998,7 +1005,7 @@ async def _available_many(endpoint: Endpoint, ssn: qflow.Session, asks: list[tup
 
 def available(endpoint: Endpoint, queue: str, after: int, limit: int) -> dict[str, Any]:
     """The broker's ``queue.available``: which messages a read may plan."""
-    return _run(_on_session, endpoint, _available_many, [(queue, after, limit)])[0]
+    return on_session(endpoint, _available_many, [(queue, after, limit)])[0]
 
 
 async def _list_queues(endpoint: Endpoint, ssn: qflow.Session) -> list[str]:
@@ -1011,7 +1018,7 @@ def resolve_queues(opts: ReadOptions) -> list[str]:
     whose whole name ``queuePattern`` matches (in name order)."""
     if opts.queues:
         return list(opts.queues)
-    return sorted(q for q in _run(_on_session, opts.endpoint, _list_queues) if opts.matches(q))
+    return sorted(q for q in on_session(opts.endpoint, _list_queues) if opts.matches(q))
 
 
 def _partitions(opts: ReadOptions, queue: str, incarnation: str, sequences: RangeSet,
@@ -1038,7 +1045,7 @@ class QflowBatchReader(DataSourceReader):
                                        f"would read nothing of queue {q!r}); use earliest or a sequence number")
             asks.append((q, starting - 1 if isinstance(starting, int) else 0, -1))
         out: list[SequenceSet] = []
-        for q, a in zip(queues, _run(_on_session, opts.endpoint, _available_many, asks), strict=True):
+        for q, a in zip(queues, on_session(opts.endpoint, _available_many, asks), strict=True):
             sequences = a["sequences"]
             ending = opts.ending_for(q)
             if ending is not None:
@@ -1099,13 +1106,13 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # would be skipped.
         if self._initial is None:
             queues = resolve_queues(self.opts)
-            heads = _run(_on_session, self.opts.endpoint, _available_many, [(q, 0, 0) for q in queues])
+            heads = on_session(self.opts.endpoint, _available_many, [(q, 0, 0) for q in queues])
             self._initial = {q: self._starting_part(q, a) for q, a in zip(queues, heads, strict=True)}
         return self._initial
 
     def prepareForTriggerAvailableNow(self) -> None:
         queues = resolve_queues(self.opts)
-        heads = _run(_on_session, self.opts.endpoint, _available_many, [(q, 0, 0) for q in queues])
+        heads = on_session(self.opts.endpoint, _available_many, [(q, 0, 0) for q in queues])
         self._target = {q: a["lastSequence"] for q, a in zip(queues, heads, strict=True)}
 
     def getDefaultReadLimit(self) -> Any:
@@ -1127,7 +1134,7 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The next batch's end offset after ``start``: the first ``max_rows``
         (or all) available messages of each queue (``max_rows`` shared among
         the queues), up to the AvailableNow target."""
-        return _run(_on_session, self.opts.endpoint, self._plan, self._offsets(start), max_rows)
+        return on_session(self.opts.endpoint, self._plan, self._offsets(start), max_rows)
 
     async def _plan(self, endpoint: Endpoint, ssn: qflow.Session, start: dict[str, dict],
                     max_rows: int | None) -> dict:
@@ -1255,7 +1262,7 @@ class QflowStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict) -> None:
         parts = {q: p for q, p in self._offsets(end).items() if p.get("read") and p.get("incarnation")}
         if parts:
-            _run(_on_session, self.opts.endpoint, _commit, parts)
+            on_session(self.opts.endpoint, _commit, parts)
 
     def stop(self) -> None:
         pass
@@ -1333,93 +1340,86 @@ def _timestamp_column(column: Any, now: int) -> list[int]:
     return [now if v is None else int(v) for v in column.to_pylist()]
 
 
-async def _send_batches(opts: WriteOptions, batches: Iterable[Any], id_prefix: str) -> int:
+async def _send_batches(endpoint: Endpoint, ssn: qflow.Session, opts: WriteOptions, batches: Iterable[Any],
+                        id_prefix: str) -> int:
+    """Send every row of ``batches`` (Arrow record batches) as a message
+    through ``ssn``, each with its row's ``message_id`` or ``ID_PREFIX-ROW``;
+    return when the broker has completed them all, with how many there were."""
     # A queue is its own routing key: a routing_key column (say, carried over
     # from a read) must not send the messages elsewhere.
     keyed = not opts.queue
-    conn = await opts.endpoint.connect()
-    try:
-        with trio.fail_after(opts.endpoint.connect_timeout):
-            ssn = await conn.session()
-        sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout,
-                            durable=opts.durable)
-        send = sender.send_with
-        durable = opts.durable
-        n = 0
-        for batch in batches:
-            # Columns are looked up once per batch, never per row; a column
-            # that is null throughout (say, carried over from a read) sets nothing.
-            names = batch.schema.names
-            bodies = _body_column(batch.column(names.index("body")))
-            rows = len(bodies)
-            if not rows:
-                continue
-            column = {name: batch.column(i) for i, name in enumerate(names)
-                      if name == "body" or batch.column(i).null_count < rows}
-            if "message_id" in column:
-                ids = [mid or f"{id_prefix}-{n + i}" for i, mid in enumerate(column["message_id"].to_pylist())]
-            else:
-                ids = [f"{id_prefix}-{i}" for i in range(n, n + rows)]
-            # Every message carries the time it was sent (or its row's
-            # timestamp): what a reader's timestamp column shows.
-            now = int(time.time() * 1000)
-            shared: dict[str, Any] = {"timestamp": now}
-            per_row: dict[str, list] = {}
-            if "timestamp" in column:
-                per_row["timestamp"] = _timestamp_column(column["timestamp"], now)
-            if keyed and "routing_key" in column:
-                per_row["routing_key"] = column["routing_key"].to_pylist()
-            for name in ("correlation_id", "content_type"):
-                if name in column:
-                    per_row[name] = column[name].to_pylist()
-            if "headers" in column:
-                per_row["headers"] = _headers_column(column["headers"])
-            # A value the same in every row is the batch's: the run's shared properties.
-            for name in [name for name, values in per_row.items() if values.count(values[0]) == rows]:
-                value = per_row.pop(name)[0]
-                if value or name in ("timestamp", "routing_key"):
-                    shared[name] = value
-            if not per_row:
-                # One run of transfers, an id each (the map's first key) and the rest
-                # shared: the broker takes it whole (native/transfers.h).
-                await sender.send_many(bodies, message_ids=ids, **shared)
-            else:
-                # Some property differs per row: one message at a time (docs/spark.md says so).
-                keys = per_row.pop("routing_key", None)
-                base = {k: v for k, v in shared.items() if k != "routing_key"}
-                if durable:
-                    base["durable"] = True
-                key = shared.get("routing_key")
-                for i, body in enumerate(bodies):
-                    props = {"message_id": ids[i], **base}
-                    for name, values in per_row.items():
-                        if values[i] or name == "timestamp":
-                            props[name] = values[i]
-                    await send(body, props, routing_key=key if keys is None else keys[i])
-            n += rows
-        with trio.fail_after(opts.send_timeout or math.inf):
-            await sender.sync()
-        return n
-    finally:
-        await conn.close()
+    sender = ssn.sender(opts.address, capacity=opts.capacity, flow_timeout=opts.send_timeout,
+                        durable=opts.durable)
+    send = sender.send_with
+    durable = opts.durable
+    n = 0
+    for batch in batches:
+        # Columns are looked up once per batch, never per row; a column
+        # that is null throughout (say, carried over from a read) sets nothing.
+        names = batch.schema.names
+        bodies = _body_column(batch.column(names.index("body")))
+        rows = len(bodies)
+        if not rows:
+            continue
+        column = {name: batch.column(i) for i, name in enumerate(names)
+                  if name == "body" or batch.column(i).null_count < rows}
+        if "message_id" in column:
+            ids = [mid or f"{id_prefix}-{n + i}" for i, mid in enumerate(column["message_id"].to_pylist())]
+        else:
+            ids = [f"{id_prefix}-{i}" for i in range(n, n + rows)]
+        # Every message carries the time it was sent (or its row's
+        # timestamp): what a reader's timestamp column shows.
+        now = int(time.time() * 1000)
+        shared: dict[str, Any] = {"timestamp": now}
+        per_row: dict[str, list] = {}
+        if "timestamp" in column:
+            per_row["timestamp"] = _timestamp_column(column["timestamp"], now)
+        if keyed and "routing_key" in column:
+            per_row["routing_key"] = column["routing_key"].to_pylist()
+        for name in ("correlation_id", "content_type"):
+            if name in column:
+                per_row[name] = column[name].to_pylist()
+        if "headers" in column:
+            per_row["headers"] = _headers_column(column["headers"])
+        # A value the same in every row is the batch's: the run's shared properties.
+        for name in [name for name, values in per_row.items() if values.count(values[0]) == rows]:
+            value = per_row.pop(name)[0]
+            if value or name in ("timestamp", "routing_key"):
+                shared[name] = value
+        if not per_row:
+            # One run of transfers, an id each (the map's first key) and the rest
+            # shared: the broker takes it whole (native/transfers.h).
+            await sender.send_many(bodies, message_ids=ids, **shared)
+        else:
+            # Some property differs per row: one message at a time (docs/spark.md says so).
+            keys = per_row.pop("routing_key", None)
+            base = {k: v for k, v in shared.items() if k != "routing_key"}
+            if durable:
+                base["durable"] = True
+            key = shared.get("routing_key")
+            for i, body in enumerate(bodies):
+                props = {"message_id": ids[i], **base}
+                for name, values in per_row.items():
+                    if values[i] or name == "timestamp":
+                        props[name] = values[i]
+                await send(body, props, routing_key=key if keys is None else keys[i])
+        n += rows
+    with trio.fail_after(opts.send_timeout or math.inf):
+        await sender.sync()
+    return n
 
 
-async def _check_destination(opts: WriteOptions) -> None:
-    conn = await opts.endpoint.connect()
-    try:
-        with trio.fail_after(opts.endpoint.connect_timeout):
-            ssn = await conn.session()
-            if opts.queue:
-                await ssn.query_queue(opts.queue)
-            else:
-                await ssn.declare_exchange(opts.exchange, passive=True)
-    finally:
-        await conn.close()
+async def _check_destination(endpoint: Endpoint, ssn: qflow.Session, opts: WriteOptions) -> None:
+    with trio.fail_after(endpoint.connect_timeout):
+        if opts.queue:
+            await ssn.query_queue(opts.queue)
+        else:
+            await ssn.declare_exchange(opts.exchange, passive=True)
 
 
 def check_destination(opts: WriteOptions) -> None:
     try:
-        _run(_check_destination, opts)
+        on_session(opts.endpoint, _check_destination, opts)
     except qflow.NotFound:
         what = f"queue {opts.queue!r}" if opts.queue else f"exchange {opts.exchange!r}"
         raise QflowOptionError(f"qflow: {what} does not exist on the broker at {opts.endpoint.host}:"
@@ -1444,7 +1444,8 @@ class _Writer:
     def write(self, iterator: Iterator[Any]) -> QflowCommitMessage:
         partition, batch = self._batch()
         prefix = f"{batch}-{partition}"
-        n = _profiled(f"write-{self.opts.address}", _run, _send_batches, self.opts, iterator, prefix)
+        n = _profiled(f"write-{self.opts.address}", on_session, self.opts.endpoint, _send_batches, self.opts,
+                      iterator, prefix)
         return QflowCommitMessage(partition, n, prefix)
 
     @staticmethod
