@@ -45,7 +45,7 @@ import trio
 
 import qflow
 from qflow import testing as qflowd
-from qflow.spark.datasource import parse_broker
+from qflow.spark.options import parse_broker
 
 EPOCH_MS = 1_790_000_000_000  # event time of the first order (simulated, so windows close quickly)
 WATERMARK = "1 minute"
