@@ -180,7 +180,7 @@ def streaming(spark, broker: str, port: int, n: int, name: str = "st") -> tuple[
 def spark_alone_read(spark, n: int) -> float:
     from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-    from qflow.spark.datasource import COLUMNS, SCHEMA, _arrow_types
+    from qflow.spark.schema import COLUMNS, SCHEMA, arrow_types
 
     class Rows(InputPartition):
         def __init__(self, rows: int) -> None:
@@ -196,7 +196,7 @@ def spark_alone_read(spark, n: int) -> float:
             k = 32768  # as a read task's batches, once past its first
             cols = [[BODY] * k, [""] * k, ["br"] * k, *[[None] * k] * 4, list(range(k)), [False] * k, ["br"] * k,
                     [None] * k]  # ..., sequence, redelivered, queue, timestamp
-            batch = pa.RecordBatch.from_arrays([pa.array(c, t) for c, t in zip(cols, _arrow_types(), strict=True)],
+            batch = pa.RecordBatch.from_arrays([pa.array(c, t) for c, t in zip(cols, arrow_types(), strict=True)],
                                                names=list(COLUMNS))
             left = part.rows
             while left:

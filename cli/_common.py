@@ -21,6 +21,8 @@ from collections.abc import Container, Iterable, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
+from qflow.client import address as client_address
+
 DEFAULT_MGMT_PORT = 8672
 DEFAULT_BROKER = "localhost:5672"
 DEFAULT_TLS_PORT = 5671  # amqps://, as Qpid's and RabbitMQ's
@@ -51,12 +53,21 @@ _TLS_SCHEMES = ("amqps", "ssl", "tls", "qflows")
 
 
 def parse_url(text: str, default_port: int = 5672) -> BrokerUrl:
-    """The one parser of broker addresses, for every tool: Qpid's
-    ``[amqp://][USER/PASSWORD@]HOST[:PORT]`` (see :func:`parse_address` for
-    the host forms), or ``amqps://...`` for TLS (port 5671 unless given).
-    The password may hold '/' or '@'; the user name neither. Nothing is
-    silently dropped: any other scheme is refused (``http://`` is the
-    management API's: ``--mgmt-url``)."""
+    """A broker address as every tool takes it: Qpid's
+    ``[amqp://][USER/PASSWORD@]HOST[:PORT]``, or ``amqps://...`` for TLS.
+
+    The host and port are :func:`parse_address`'s. The password may hold '/'
+    or '@'; the user name neither. Nothing is silently dropped: any other
+    scheme is refused (``http://`` is the management API's: ``--mgmt-url``).
+
+    Args:
+      text: the address, as given to ``-b``.
+      default_port: the port of an address that gives none; with a TLS
+        scheme, 5672 there stands for 5671.
+
+    Raises:
+      argparse.ArgumentTypeError: naming what is wrong with the address.
+    """
     text = text.strip()
     m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(?:://|:tcp:|:ssl:)", text)
     tls = False
@@ -82,17 +93,28 @@ def parse_url(text: str, default_port: int = 5672) -> BrokerUrl:
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
-    """``HOST:PORT``, ``HOST``, ``:PORT`` or ``[IPV6]:PORT`` (no scheme, no credentials)."""
+    """The host and port of a tool's address, with no scheme and no credentials.
+
+    ``HOST:PORT``, ``HOST``, ``:PORT`` (localhost), ``[IPV6]:PORT``, or
+    nothing (localhost and ``default_port``), as
+    :func:`qflow.client.address.parse_address` reads them; a URL's trailing
+    ``/`` is dropped first.
+
+    Args:
+      text: the address after its scheme and credentials.
+      default_port: the port of an address that gives none.
+
+    Raises:
+      argparse.ArgumentTypeError: ``bad port`` for a port outside
+        1..65535; ``bad broker address`` for anything else wrong.
+    """
     text = text.strip().rstrip("/")
-    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?|([^:\[\]/@]*)(?::(\d+))?", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad broker address {text!r}: expected HOST:PORT")
-    host = m.group(1) or m.group(3) or "localhost"
-    port_text = m.group(2) or m.group(4)
-    port = int(port_text) if port_text else default_port
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"bad port {port} in {text!r}")
-    return host, port
+    try:
+        return client_address.parse_address(text, default_port, default_host="localhost")
+    except client_address.AddressError as exc:
+        if exc.problem == "range":
+            raise argparse.ArgumentTypeError(f"bad port {int(exc.port)} in {text!r}") from None
+        raise argparse.ArgumentTypeError(f"bad broker address {text!r}: expected HOST:PORT") from None
 
 
 def broker_address(parser: argparse.ArgumentParser, text: str, default_port: int = 5672) -> BrokerUrl:

@@ -45,7 +45,7 @@ import trio
 
 import qflow
 from qflow import testing as qflowd
-from qflow.spark.datasource import parse_broker
+from qflow.spark.options import parse_broker
 
 EPOCH_MS = 1_790_000_000_000  # event time of the first order (simulated, so windows close quickly)
 WATERMARK = "1 minute"
@@ -107,12 +107,8 @@ def on_broker(broker: str, fn: Any, *args: Any, timeout: float = 30) -> Any:
 
     async def main() -> Any:
         with trio.fail_after(timeout):
-            conn = await qflow.connect(host, port, name="pipeline")
-        try:
-            with trio.fail_after(timeout):
+            async with qflow.open_connection(host, port, name="pipeline") as conn:
                 return await fn(await conn.session(), *args)
-        finally:
-            await conn.close()
 
     return trio.run(main)
 

@@ -19,6 +19,7 @@ import pytest
 from qflow.cli._common import BrokerUrl, parse_url
 
 import qflow
+from qflow.client.address import AddressError, parse_address
 from qflow.protocol.connection import WRONG_PORT_HINT, ConnectionEnd, ProtocolConnection, Role
 from tests.conftest import Daemon
 
@@ -73,6 +74,38 @@ def test_broker_urls_accepted(text: str, expected: BrokerUrl) -> None:
 def test_broker_urls_refused_never_ignored(text: str, message: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         parse_url(text)
+
+
+# -- the client's parser of HOST:PORT, which the tools and the Spark source share ---------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("broker.example:5673", ("broker.example", 5673)),
+    (" 10.0.0.1 ", ("10.0.0.1", 5672)),
+    ("[::1]:5674", ("::1", 5674)),
+    ("[fe80::1%eth0]", ("fe80::1%eth0", 5672)),
+])
+def test_the_client_parses_host_and_port(text: str, expected: tuple[str, int]) -> None:
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("", "empty"), ("[::1", "brackets"), ("[::1]x", "brackets"), ("::1", "ipv6"), (":5672", "no host"),
+    ("[]:5672", "no host"), ("guest@host", "host"), ("host/path", "host"), ("my host", "host"),
+    ("host:", "port"), ("host:+5", "port"), ("host:0", "range"), ("host:65536", "range"),
+])
+def test_the_client_says_what_is_wrong_with_an_address(text: str, problem: str) -> None:
+    with pytest.raises(AddressError) as info:
+        parse_address(text)
+    assert (info.value.problem, info.value.address) == (problem, text)
+    assert not text or repr(text) in str(info.value)  # the message names the address
+
+
+def test_a_default_host_fills_in_only_a_missing_host() -> None:
+    assert parse_address(":5673", default_host="localhost") == ("localhost", 5673)
+    assert parse_address("", 8672, default_host="localhost") == ("localhost", 8672)
+    with pytest.raises(AddressError, match="no address between its brackets"):
+        parse_address("[]", default_host="localhost")
 
 
 def test_client_told_it_reached_an_http_port() -> None:

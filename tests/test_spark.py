@@ -26,16 +26,8 @@ import trio  # noqa: E402
 import qflow  # noqa: E402
 from qflow.protocol.ranges import RangeSet  # noqa: E402
 from qflow.spark import QflowDataSource, register  # noqa: E402
-from qflow.spark.datasource import (  # noqa: E402
-    ReadOptions,
-    SequenceSet,
-    WriteOptions,
-    _intersect,
-    _minus,
-    describe,
-    parse_broker,
-    split_sequences,
-)
+from qflow.spark.options import ReadOptions, WriteOptions, parse_broker  # noqa: E402
+from qflow.spark.sequences import SequenceSet, describe, intersect, minus, split_sequences  # noqa: E402
 from tests.conftest import Daemon, start_qflowd  # noqa: E402
 
 # Spark is slow to start and does not depend on the accounting implementation:
@@ -97,11 +89,8 @@ def broker(daemon: Daemon) -> str:
 def on_broker(daemon: Daemon, fn: Any, *args: Any, timeout: float = 60) -> Any:
     async def main() -> Any:
         with trio.fail_after(timeout):
-            conn = await qflow.connect("127.0.0.1", daemon.port)
-            try:
+            async with qflow.open_connection("127.0.0.1", daemon.port) as conn:
                 return await fn(await conn.session(), *args)
-            finally:
-                await conn.close()
 
     return trio.run(main)
 
@@ -237,11 +226,11 @@ def test_minus_and_intersect_of_sequence_sets_go_range_by_range() -> None:
     for _ in range(300):
         a = RangeSet((f, f + rng.randrange(6)) for f in rng.sample(range(60), rng.randrange(6)))
         b = RangeSet((f, f + rng.randrange(6)) for f in rng.sample(range(60), rng.randrange(6)))
-        assert set(_minus(a, b)) == set(a) - set(b), (a, b)
-        assert set(_intersect(a, b)) == set(a) & set(b), (a, b)
+        assert set(minus(a, b)) == set(a) - set(b), (a, b)
+        assert set(intersect(a, b)) == set(a) & set(b), (a, b)
     huge = RangeSet([(1, 10**9)])
-    assert list(_minus(huge, RangeSet([(5, 10**9 - 1)])).ranges()) == [(1, 4), (10**9, 10**9)]
-    assert list(_intersect(huge, RangeSet([(7, 8), (10**9, 2 * 10**9)])).ranges()) == [(7, 8), (10**9, 10**9)]
+    assert list(minus(huge, RangeSet([(5, 10**9 - 1)])).ranges()) == [(1, 4), (10**9, 10**9)]
+    assert list(intersect(huge, RangeSet([(7, 8), (10**9, 2 * 10**9)])).ranges()) == [(7, 8), (10**9, 10**9)]
 
 
 def test_everything_pickles() -> None:
@@ -252,7 +241,7 @@ def test_everything_pickles() -> None:
     from pyspark.sql.types import StringType, StructField, StructType
 
     from qflow.spark import COLUMNS
-    from qflow.spark.datasource import QflowBatchWriter, QflowStreamWriter
+    from qflow.spark.writing import QflowBatchWriter, QflowStreamWriter
 
     ds = QflowDataSource({"queue": "q", "broker": "127.0.0.1:1"})
     schema = StructType([StructField(name, StringType()) for name in COLUMNS])  # only the names matter
@@ -406,7 +395,7 @@ def test_a_restarted_driver_removes_the_committed_batch_its_predecessor_did_not(
     initial offset) removes nothing."""
     from pyspark.sql.types import StructType
 
-    from qflow.spark.datasource import SCHEMA
+    from qflow.spark import SCHEMA
 
     declare(daemon, "k-in")
     send(daemon, "k-in", [f"k{i}" for i in range(6)])
