@@ -577,6 +577,41 @@ async def show_held(bar: Any, held_by: dict[str, float], holders: Container[str]
         await trio.sleep(interval)
 
 
+def add_broker_option(p: argparse.ArgumentParser) -> None:
+    """-b/--broker, the broker's protocol address, as qflow-send and qflow-receive take it."""
+    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[amqps://][USER/PASS@]HOST:PORT",
+                   help=f"the broker's protocol address (default {DEFAULT_BROKER}); amqps:// for its TLS port "
+                        "(5671 by default)")
+
+
+def add_connection_options(p: argparse.ArgumentParser, prog: str) -> None:
+    """What a tool that opens a messaging connection takes besides -b: its
+    connection's name, TLS and SASL, and every tool's --version and completion."""
+    p.add_argument("--connection-name", default=f"{prog}[{os.getpid()}]", metavar="NAME",
+                   help="the connection's name, shown by qflow-stat -c")
+    add_tls_options(p)
+    add_tool_options(p)
+
+
+def client_setup(parser: argparse.ArgumentParser,
+                 argv: list[str] | None) -> tuple[argparse.Namespace, BrokerUrl, dict[str, Any]]:
+    """A messaging tool's arguments (add_broker_option, add_connection_options):
+    (the arguments, the broker's address, the connection's options).
+
+    Raises:
+      SystemExit: status 2 through ``parser.error`` for an address or TLS/SASL
+        options that do not fit; status 1, with the tool's one-line message,
+        for TLS files that cannot be loaded.
+    """
+    args = parser.parse_args(argv)
+    url = broker_address(parser, args.broker, 5672)
+    check_tls_options(parser, args, url)
+    try:
+        return args, url, connect_options(args, url)
+    except ToolError as exc:
+        sys.exit(fail(parser.prog, str(exc)))
+
+
 def add_tool_options(p: argparse.ArgumentParser) -> None:
     """What every tool has: --version, and --print-completion SHELL (shtab) to
     write its shell completion script: ``qflow-stat --print-completion bash >

@@ -27,15 +27,11 @@ import trio
 import qflow
 
 from ._common import (
-    DEFAULT_BROKER,
     PROGRESS_MIN,
     BrokerUrl,
-    ToolError,
-    add_tls_options,
-    add_tool_options,
-    broker_address,
-    check_tls_options,
-    connect_options,
+    add_broker_option,
+    add_connection_options,
+    client_setup,
     fail,
     non_negative,
     positive,
@@ -49,9 +45,7 @@ PROG = "qflow-receive"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Receive messages from a qflow queue.")
-    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[amqps://][USER/PASS@]HOST:PORT",
-                   help=f"the broker's protocol address (default {DEFAULT_BROKER}); amqps:// for its TLS port "
-                        "(5671 by default)")
+    add_broker_option(p)
     p.add_argument("-a", "--address", required=True, metavar="QUEUE", help="the queue to receive from")
     p.add_argument("-m", "--messages", type=non_negative, default=0, metavar="N",
                    help="stop after N messages (default 0: no limit)")
@@ -67,10 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ack-frequency", type=positive, default=100, metavar="N",
                    help="accept received messages in batches of N (default 100)")
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
-    p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
-                   help="the connection's name, shown by qflow-stat -c")
-    add_tls_options(p)
-    add_tool_options(p)
+    add_connection_options(p, PROG)
     return p
 
 
@@ -149,14 +140,7 @@ async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    url = broker_address(parser, args.broker, 5672)
-    check_tls_options(parser, args, url)
-    try:
-        options = connect_options(args, url)
-    except ToolError as exc:
-        return fail(PROG, str(exc))
+    args, url, options = client_setup(build_parser(), argv)
     try:
         latency = Latency()
         received, nbytes, seconds = trio.run(receive, args, url, options, latency)

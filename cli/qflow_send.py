@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -35,16 +34,12 @@ import trio
 import qflow
 
 from ._common import (
-    DEFAULT_BROKER,
     PROGRESS_MIN,
     BrokerUrl,
-    ToolError,
-    add_tls_options,
-    add_tool_options,
+    add_broker_option,
+    add_connection_options,
     bar_logging,
-    broker_address,
-    check_tls_options,
-    connect_options,
+    client_setup,
     fail,
     non_negative,
     positive_float,
@@ -60,9 +55,7 @@ PROG = "qflow-send"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Send messages to a qflow broker.")
-    p.add_argument("-b", "--broker", default=DEFAULT_BROKER, metavar="[amqps://][USER/PASS@]HOST:PORT",
-                   help=f"the broker's protocol address (default {DEFAULT_BROKER}); amqps:// for its TLS port "
-                        "(5671 by default)")
+    add_broker_option(p)
     p.add_argument("-a", "--address", required=True, help="QUEUE, or EXCHANGE/ROUTING-KEY")
     p.add_argument("-m", "--messages", type=non_negative, default=None, metavar="N",
                    help="messages to send (default 1, or every line with --content-stdin)")
@@ -84,10 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put the send time in each message's 'ts' property, for qflow-receive's latency "
                         "columns (default no: qpid-send's is yes, but stamped sends are ~9x slower)")
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
-    p.add_argument("--connection-name", default=f"{PROG}[{os.getpid()}]", metavar="NAME",
-                   help="the connection's name, shown by qflow-stat -c")
-    add_tls_options(p)
-    add_tool_options(p)
+    add_connection_options(p, PROG)
     return p
 
 
@@ -150,14 +140,7 @@ async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    url = broker_address(parser, args.broker, 5672)
-    check_tls_options(parser, args, url)
-    try:
-        options = connect_options(args, url)
-    except ToolError as exc:
-        return fail(PROG, str(exc))
+    args, url, options = client_setup(build_parser(), argv)
     # The client warns through logging while flow control holds the sender: show it.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"{PROG}: %(message)s")
     try:
