@@ -363,7 +363,7 @@ async def test_closing_a_held_producer_keeps_its_messages(running, ssn):
     await wait_for(lambda: producer.incomplete == 3)
     assert (await stats(ssn, "q"))["heldTransfers"] == 3
     await conn.close()
-    await wait_for(lambda: not running.broker.queues["q"].flow.held_sessions)
+    await wait_for(lambda: not running.broker.held_sessions(running.broker.queues["q"]))
     s = await stats(ssn, "q")
     assert (s["msgDepth"], s["heldTransfers"], s["flowStopped"]) == (5, 0, True)
     receiver = await ssn.receiver("q", accept="auto")

@@ -174,21 +174,20 @@ def test_a_tracking_holder_named_later_names_the_sessions_it_holds_then(harness:
     sessions when it is named; the last one let go tells the session so."""
     p, other = harness.connect().session(), harness.connect().session()
     p.declare_queue("q")
-    store = harness.broker.add_holder("store")
-    store.tracks = True
-    harness.broker.queues["q"].add_holder(store)
+    store = harness.broker.add_holder("store", tracks=True)
+    harness.broker.carry(store, lambda q: q.name == "q")
     ids = send(harness, p, "q", 3)
     done_ids = send(harness, other, "q", 1)
     held = [t for run in store.take_runs() for t in run[1]] + tokens(store.take())
     assert len(held) == 4 and not p.held_by and not other.held_by
     store.release(held[3:])  # other's transfer: let go, the release not applied yet
-    harness.broker.flow.name_holds(store, "store overfull")
+    harness.broker.name_holder(store, "store disk quota")
     harness.broker.flush()
     harness.run()
-    assert p.held_by == {"store overfull"} and not other.held_by
+    assert p.held_by == {"store disk quota"} and not other.held_by
     assert not other.incomplete(done_ids)
     release(harness, store, held[:2])
-    assert p.held_by == {"store overfull"}  # one of its transfers is still held
+    assert p.held_by == {"store disk quota"}  # one of its transfers is still held
     release(harness, store, held[2:3])
     assert not p.held_by and not p.incomplete(ids)
 
@@ -382,3 +381,27 @@ def test_wake_is_called_once_per_apply_that_gave_the_holder_holds():
     assert reported(ssn) == [1]
     broker.remove_holder(store)
     assert reported(ssn) == [0, 2] and woken == [3]
+
+
+def test_a_carried_holder_holds_present_and_future_queues_that_match_until_removed(harness: Harness):
+    """Broker.carry: the rule a holder is carried by (the store: durable queues;
+    the memory alarm: every queue) applies to the queues there now and to those
+    declared later, each told to ``attached`` once; removing the holder ends it.
+    A holder told of deletions hears of a carried queue's deletion."""
+    b = harness.broker
+    p = harness.connect().session()
+    p.declare_queue("d1", {})
+    p.call(P.QUEUE_DECLARE, "t1", False, False, False, {}, False)
+    attached, deleted = [], []
+    holder = b.add_holder("store", deleted=lambda q: deleted.append(q.name))
+    b.carry(holder, lambda q: q.name.startswith("d"), lambda q: attached.append(q.name))
+    p.declare_queue("d2", {})
+    p.declare_queue("t2", {})
+    assert attached == ["d1", "d2"]
+    assert [name for name, q in b.queues.items() if holder in q.holders] == ["d1", "d2"]
+    p.call(P.QUEUE_DELETE, "d2", False, False)
+    p.call(P.QUEUE_DELETE, "t2", False, False)
+    assert deleted == ["d2"]
+    b.remove_holder(holder)
+    p.declare_queue("d3", {})
+    assert attached == ["d1", "d2"] and not any(holder in q.holders for q in b.queues.values())

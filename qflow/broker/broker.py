@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Collection, Generator
 from typing import Any
 
 import msgpack
@@ -94,8 +94,9 @@ class Broker:
         self._dirty_sessions = self.flow.dirty  # sessions with something to report
         self._stalled: dict[Queue, None] = {}  # queues a consumer's full output left undelivered
         self._delivery = Delivery(self._dirty_sessions, self._stalled)
-        self.on_queue_deleted: list[Callable[[Queue], None]] = []
-        self.on_queue_declared: list[Callable[[Queue], None]] = []  # after a queue is created (the store)
+        # (holder, matches, attached) per carry(): the rules that give every new queue its outside holders,
+        # in the order they were made (the order a transfer's OP_HOLDs take).
+        self._carries: list[tuple[Holder, Callable[[Queue], bool], Callable[[Queue], None] | None]] = []
         # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
         self.config_hooks = ConfigHooks()
         self.acl: Acl | None = None  # None: everything is allowed (no --acl-file)
@@ -432,17 +433,51 @@ class Broker:
         return not q.entries or oldest < seq_of(q.entries[0])
 
     # -- outside holders ----------------------------------------------------------
-    def add_holder(self, name: str, wake: Callable[[], None] | None = None,
-                   dequeued: Dequeued | None = None) -> Holder:
-        """A new outside holder of transfers' completion (qflow.broker.flow_limit.Holder);
-        a queue carries it with :meth:`Queue.add_holder`. ``dequeued(queue, entries)``,
-        if given, is told of every dequeue from a queue that carries it."""
-        return self.flow.add_holder(name, wake, dequeued)
+    def add_holder(self, name: str, wake: Callable[[], None] | None = None, dequeued: Dequeued | None = None,
+                   deleted: Callable[[Queue], None] | None = None, *, tracks: bool = False) -> Holder:
+        """A new outside holder of transfers' completion (qflow.broker.flow_limit.Holder):
+        the durable store, the memory alarm. It holds nothing until queues
+        carry it (:meth:`carry`).
+
+        Args:
+          name: what it is called in the log and the views.
+          wake: called, on the loop, after an apply that gave it holds (it may
+            run inside the apply: it must only signal).
+          dequeued: ``dequeued(queue, entries)`` is told of every dequeue from
+            a queue that carries it, as it happens.
+          deleted: ``deleted(queue)`` is told when a queue that carries it is
+            deleted, after the queue let its holds go.
+          tracks: whether naming it (:meth:`name_holder`) also names the
+            sessions of the holds it has then (asked of the accounting).
+        """
+        holder = self.flow.add_holder(name, wake, dequeued)
+        holder.deleted = deleted
+        holder.tracks = tracks
+        return holder
+
+    def name_holder(self, holder: Holder, label: str | None) -> None:
+        """From now on every session ``holder`` holds is told so under ``label``
+        (session.flow-notice with its holder flag, ``heldBy`` in the views), the
+        ones it holds already included if it ``tracks``; None: no longer, and
+        the sessions it holds now are told it holds them no more."""
+        self.flow.name_holds(holder, label)
+
+    def carry(self, holder: Holder, matches: Callable[[Queue], bool],
+              attached: Callable[[Queue], None] | None = None) -> None:
+        """Have ``holder`` hold the transfers routed to every queue ``matches``
+        accepts: those there now and those declared later, until the holder is
+        removed (:meth:`remove_holder`). ``attached(queue)`` is called for each
+        such queue once it carries the holder."""
+        rule = (holder, matches, attached)
+        self._carries.append(rule)
+        for q in list(self.queues.values()):
+            _carry(rule, q)
 
     def remove_holder(self, holder: Holder) -> None:
-        """The holder is gone (the store closes): no queue carries it, and the
-        transfers it held complete unless something else holds them. Reported
-        at once, as a session's close is."""
+        """The holder is gone (the store closes, the alarm clears): no queue
+        carries it, and the transfers it held complete unless something else
+        holds them. Reported at once, as a session's close is."""
+        self._carries = [rule for rule in self._carries if rule[0] is not holder]
         self._complete(self.flow.remove_holder(holder))
         self.flush()
 
@@ -563,6 +598,18 @@ class Broker:
         """Report ``ssn``'s completions at the end of this batch (session.flush)."""
         self._dirty_sessions[ssn] = None
 
+    def held_sessions(self, q: Queue) -> Collection[BrokerSession]:
+        """The sessions ``q``'s flow control holds now: at least one transfer of each."""
+        return q.flow.held_sessions.keys()
+
+    def set_sender_capacity(self, ssn: BrokerSession, capacity: int) -> None:
+        """``ssn`` announced its senders' capacity: the worst case of every
+        queue it writes to is counted again (a warning if it no longer fits)."""
+        ssn.capacity = capacity
+        for q in self.queues.values():
+            if ssn in q.flow.writers:
+                q.flow.note_writer(q, ssn)
+
     def _check_name(self, kind: str, name: str) -> None:
         if not name or len(name.encode()) > MAX_NAME:
             raise CommandError(P.INVALID_ARGUMENT, f"{kind} name must be 1 to {MAX_NAME} bytes, got {len(name.encode())}")
@@ -598,8 +645,8 @@ class Broker:
         self.flow.attach(q)
         self.queues[name] = q
         self.exchanges[""].bind(q, name)
-        for callback in self.on_queue_declared:
-            callback(q)
+        for rule in self._carries:
+            _carry(rule, q)
         return q, True
 
     def modify_queue(self, q: Queue, arguments: dict[str, Any], by: BrokerSession | None = None) -> None:
@@ -685,9 +732,11 @@ class Broker:
         q.browsers.clear()
         q.deleted = True
         del self.queues[q.name]
+        holders = q.holders
         self._complete(self.flow.remove_queue(q))
-        for callback in self.on_queue_deleted:
-            callback(q)
+        for holder in holders:
+            if holder.deleted is not None:
+                holder.deleted(q)
 
     def remove_through(self, name: str, sequence: int, by: BrokerSession | None = None) -> int:
         """Dequeue every available message with a sequence number up to and
@@ -905,3 +954,11 @@ class Broker:
         if q.auto_delete and q.had_consumer and not q.consumers and not q.deleted:
             self.delete_queue_now(q)
 
+
+def _carry(rule: tuple[Holder, Callable[[Queue], bool], Callable[[Queue], None] | None], q: Queue) -> None:
+    """Apply one :meth:`Broker.carry` rule to queue ``q``."""
+    holder, matches, attached = rule
+    if matches(q):
+        q.add_holder(holder)
+        if attached is not None:
+            attached(q)

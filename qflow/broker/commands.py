@@ -294,17 +294,14 @@ def _sync(broker: Broker, ssn: BrokerSession, cid: int) -> object:
                            f"execution.sync: {commands.waiting_syncs} syncs of this session already wait for "
                            f"earlier commands, the limit is {MAX_WAITING_SYNCS}")
     commands.sync(cid)
-    broker.flow.dirty[ssn] = None  # it may have completed at once: report it at the batch's end
+    broker.report(ssn)  # it may have completed at once: report it at the batch's end
     return NO_COMPLETE
 
 
 def _sender_capacity(broker: Broker, ssn: BrokerSession, cid: int, capacity: int) -> None:
     if capacity < 0:
         raise CommandError(P.INVALID_ARGUMENT, "session.sender-capacity: capacity must be >= 0")
-    ssn.capacity = capacity
-    for q in broker.queues.values():
-        if ssn in q.flow.writers:
-            q.flow.note_writer(q, ssn)
+    broker.set_sender_capacity(ssn, capacity)
 
 
 HANDLERS: dict[int, Callable[..., Any]] = {

@@ -187,7 +187,7 @@ class Holder:
     the transfer completes once its other holders (routing, stopped queues,
     other outside holders) have let go too. Created by :meth:`FlowControl.add_holder`."""
 
-    __slots__ = ("slot", "name", "control", "arrived", "runs", "wake", "dequeued", "removed", "label",
+    __slots__ = ("slot", "name", "control", "arrived", "runs", "wake", "dequeued", "deleted", "removed", "label",
                  "held_sessions", "token_sessions", "tracks")
 
     def __init__(self, slot: int, name: str, control: FlowControl, wake: Callable[[], None] | None,
@@ -203,6 +203,7 @@ class Holder:
         # Told of every message dequeued from a queue that carries it, as it happens (the store
         # writes the removal); queues without holders pay nothing for it.
         self.dequeued = dequeued
+        self.deleted: Callable[[Queue], None] | None = None  # told of a deletion of a queue that carries it
         self.removed = False
         # While not None, the sessions it holds are told so under this name (session.flow-notice,
         # heldBy), as a stopped queue's are: see FlowControl.name_holds.

@@ -67,25 +67,23 @@ class MemoryAlarm:
     def _set(self, used: int) -> None:
         broker = self.broker
         holder = self._holder = broker.add_holder("memory alarm")
-        broker.flow.name_holds(holder, "memory alarm")  # the sessions it holds are told so, by this name
-        for q in broker.queues.values():
-            q.add_holder(holder)
-        broker.on_queue_declared.append(self._attach)
+        broker.name_holder(holder, "memory alarm")  # the sessions it holds are told so, by this name
+        broker.carry(holder, _every_queue)
         self.alarm_count += 1
         log.warning("memory alarm set: %d bytes in use > high watermark %d; every producer is held", used,
                     self.high)
 
-    def _attach(self, q: Queue) -> None:
-        if self._holder is not None:
-            q.add_holder(self._holder)
-
     def _clear(self, used: int) -> None:
         holder, self._holder = self._holder, None
-        self.broker.on_queue_declared.remove(self._attach)
-        self.broker.remove_holder(holder)  # completes what nothing else holds, and flushes
+        self.broker.remove_holder(holder)  # no queue carries it any more; completes what nothing else holds
         log.warning("memory alarm cleared: %d bytes in use < low watermark %d; producers released", used, self.low)
 
     def stats(self) -> dict[str, int | bool]:
         """What the management API shows."""
         return {"memoryUsed": self.used, "memoryHighWatermark": self.high, "memoryLowWatermark": self.low,
                 "memoryAlarm": self.alarmed, "memoryAlarmCount": self.alarm_count}
+
+
+def _every_queue(q: Queue) -> bool:
+    """The alarm holds every producer: every queue, present and future, carries it."""
+    return True

@@ -56,7 +56,7 @@ def queue_view(broker: Broker, q: Queue) -> dict[str, Any]:
     ``flowStopped``, ``heldTransfers``, ...), plus ``heldSessionCount``."""
     view = broker.queue_stats(q)
     view["arguments"] = jsonable(view["arguments"])
-    view["heldSessionCount"] = len(q.flow.held_sessions)
+    view["heldSessionCount"] = len(broker.held_sessions(q))
     return view
 
 
@@ -114,7 +114,7 @@ def session_view(broker: Broker, ssn: BrokerSession, now: float) -> dict[str, An
     held_by = []
     for name, since in ssn.held_since.items():  # what holds it, from the session: not a walk over every queue
         q = broker.queues.get(name)
-        if q is not None and ssn in q.flow.held_sessions:
+        if q is not None and ssn in broker.held_sessions(q):
             held_by.append({"queue": name, "since": iso(since), "heldSeconds": round(now - since, 3)})
     for name, since in ssn.holder_since.items():  # the memory alarm, the store's quota
         held_by.append({"holder": name, "since": iso(since), "heldSeconds": round(now - since, 3)})
@@ -201,7 +201,7 @@ def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at
     totals["flowStoppedQueues"] = sum(bool(view["flowStopped"]) for view in queues)
     totals["discardsNoRoute"] = broker.discards_no_route
     # Distinct sessions: one held by two queues counts once, so this is not a sum of heldSessionCount.
-    totals["heldSessions"] = len({s for q in broker.queues.values() for s in q.flow.held_sessions})
+    totals["heldSessions"] = len({s for q in broker.queues.values() for s in broker.held_sessions(q)})
     return {
         "name": "qflowd", "version": __version__, "startedAt": iso(started_at),
         "uptimeSeconds": round(now - started_at, 3),

@@ -116,10 +116,11 @@ class MessageStore:
         self.quota = StoreQuota(quota or QuotaLimits())
         self.quota.update(journal.size_on_disk())  # a recovered journal may be overfull already
         self._quota_held: list[int] = []  # synced while overfull, in commit order: released when underfull
-        self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued)
-        self.holder.tracks = True  # so that, once overfull, the sessions of the holds it has then are named
+        # It tracks: once overfull, the sessions of the holds it has then are named too.
+        self.holder = broker.add_holder("store", wake=self._wake, dequeued=self._dequeued, deleted=self._deleted,
+                                        tracks=True)
         if self.quota.overfull:
-            broker.flow.name_holds(self.holder, DISK_QUOTA)
+            broker.name_holder(self.holder, DISK_QUOTA)
             self._compact()  # recovered over quota: what was consumed before the stop may be enough to clear it
         self._waiting: list[int] = []  # holds of transfers staged since the last prepare()
         self._now: list[int] = []  # holds to let go of at the next prepare(): transient, or gone already
@@ -127,10 +128,7 @@ class MessageStore:
         self._early: dict[str, set[int]] = {}
         self._persistent_head = b"\xff"  # see _is_persistent (0xff starts no entry's exchange)
         self._orphans: dict[str, list[Entry]] = {}  # recovered for a queue not declared (durable) at restore()
-        broker.on_queue_declared.append(self.attach)
-        broker.on_queue_deleted.append(self._deleted)
-        for q in list(broker.queues.values()):
-            self.attach(q)
+        broker.carry(self.holder, _is_durable, self._attached)
 
     def restore(self, recovered: dict[str, list[Entry]]) -> None:
         """Put the journal's recovered messages (``Journal.recover()``) back on
@@ -150,18 +148,17 @@ class MessageStore:
             q.restore(entries)
         self.broker.flush()
 
-    def attach(self, q: Queue) -> None:
-        """Carry ``q``'s transfers if it is durable (called for every new queue)."""
-        if q.durable:
-            q.add_holder(self.holder)
-            orphans = self._orphans.pop(q.name, None)
-            if orphans:
-                # The journal still holds these under this name, so the new queue must own them: else
-                # its own numbering (from 1) would collide with theirs in the journal.
-                q.restore(orphans)
-                log.warning("store: durable queue %r declared: its %d messages kept in the journal are back on it",
-                            q.name, len(orphans))
-                self._wake()  # the committer's flush applies the restored enqueues
+    def _attached(self, q: Queue) -> None:
+        """Durable queue ``q`` carries the store now: messages the journal kept
+        for a queue of its name go back on it."""
+        orphans = self._orphans.pop(q.name, None)
+        if orphans:
+            # The journal still holds these under this name, so the new queue must own them: else
+            # its own numbering (from 1) would collide with theirs in the journal.
+            q.restore(orphans)
+            log.warning("store: durable queue %r declared: its %d messages kept in the journal are back on it",
+                        q.name, len(orphans))
+            self._wake()  # the committer's flush applies the restored enqueues
 
     def _deleted(self, q: Queue) -> None:
         if q.durable:
@@ -321,11 +318,11 @@ class MessageStore:
         # was in flight when the limit was crossed is written anyway (best effort), and held from then on.
         if quota.update(self.journal.size_on_disk()):
             if quota.overfull:  # the sessions held from now on are told by whom
-                self.broker.flow.name_holds(self.holder, DISK_QUOTA)
+                self.broker.name_holder(self.holder, DISK_QUOTA)
             else:
                 self.holder.release(self._quota_held)
                 self._quota_held = []
-                self.broker.flow.name_holds(self.holder, None)
+                self.broker.name_holder(self.holder, None)
         if quota.overfull:
             self._quota_held += commit.tokens
             self._compact()
@@ -360,6 +357,9 @@ class MessageStore:
     def close(self) -> None:
         """Stop holding: every transfer still held completes unless something else holds it
         (call only after the last commit, or persistent transfers complete undurably)."""
-        self.broker.on_queue_declared.remove(self.attach)
-        self.broker.on_queue_deleted.remove(self._deleted)
         self.broker.remove_holder(self.holder)
+
+
+def _is_durable(q: Queue) -> bool:
+    """The store holds the transfers of durable queues only."""
+    return q.durable
