@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, encode_tail, redelivered, seq_of
-from qflow.store.journal import OP_DELETE, OP_ENQUEUE, SUFFIX, Batch, Journal, JournalError
+from qflow.store.journal import REC_DELETE, REC_ENQUEUE, SUFFIX, Batch, Journal, JournalError
 from tests.conftest import examples
 
 
@@ -412,10 +412,10 @@ def _replay(batches: list[Batch]) -> dict[str, list[bytes]]:
         for kind, items in b.sections:
             for item in items:
                 q = b.names[item[0]]
-                if kind == OP_ENQUEUE:
+                if kind == REC_ENQUEUE:
                     e = b.bodies[item[2]][1]
                     state.setdefault(q, {})[item[1]] = redelivered(e[:2] + item[1].to_bytes(8, "big") + e[10:])
-                elif kind == OP_DELETE:
+                elif kind == REC_DELETE:
                     state.pop(q, None)
                 else:
                     state.get(q, {}).pop(item[1], None)

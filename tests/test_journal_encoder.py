@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, encode_tail, redelivered
 from qflow.store.journal import (
-    OP_DELETE,
-    OP_DEQUEUE,
-    OP_ENQUEUE,
+    REC_DELETE,
+    REC_DEQUEUE,
+    REC_ENQUEUE,
     Journal,
     JournalError,
     _apply_batch,
@@ -54,10 +54,10 @@ def test_a_known_batch_is_encoded_byte_for_byte_as_the_format_says(tmp_path):
         struct.pack("<BI", 2, 2), struct.pack("<H", 1), b"q", struct.pack("<H", 2), "é".encode(),
         struct.pack("<I", 3), *(struct.pack("<QI", size, len(t)) for size, t in zip((10, 7, 10), tails, strict=True)),
         struct.pack("<I", 3),
-        struct.pack("<BI", OP_ENQUEUE, 4), struct.pack("<IQI", 0, 1, 0), struct.pack("<IQI", 0, 2, 1),
+        struct.pack("<BI", REC_ENQUEUE, 4), struct.pack("<IQI", 0, 1, 0), struct.pack("<IQI", 0, 2, 1),
         struct.pack("<IQI", 1, 1, 2), struct.pack("<IQI", 0, 3, 2),
-        struct.pack("<BI", OP_DEQUEUE, 1), struct.pack("<IQ", 0, 1),
-        struct.pack("<BI", OP_DELETE, 1), struct.pack("<I", 1),
+        struct.pack("<BI", REC_DEQUEUE, 1), struct.pack("<IQ", 0, 1),
+        struct.pack("<BI", REC_DELETE, 1), struct.pack("<I", 1),
         *tails])
     assert encode_python(batch) == expected
     assert bytes(encode_native(batch)) == expected
@@ -144,11 +144,11 @@ def test_records_encoded_in_c_are_the_python_encoders_bytes_and_decode_to_what_w
     for op, items in batch.sections:
         for item in items:
             name = batch.names[item[0]]
-            if op == OP_ENQUEUE:
+            if op == REC_ENQUEUE:
                 size, e = batch.bodies[item[2]]
                 expected.setdefault(name, {})[item[1]] = redelivered(
                     e[:2] + item[1].to_bytes(8, "big") + e[10:11] + size.to_bytes(8, "big") + e[19:])
-            elif op == OP_DEQUEUE:
+            elif op == REC_DEQUEUE:
                 expected.get(name, {}).pop(item[1], None)
             else:
                 expected.pop(name, None)

@@ -19,7 +19,7 @@ from qflow.broker.ops import (
     OP_WORDS,
     SIZE_MAX,
     AccountingError,
-    Completion,
+    CompletedRange,
     Hold,
     Transition,
     thresholds_ok,
@@ -97,7 +97,7 @@ class NativeAccounting:
     def add_queue(self) -> int:
         return self._new_slot(lib.acct_add_queue)
 
-    def remove_queue(self, queue: int) -> list[Completion]:
+    def remove_queue(self, queue: int) -> list[CompletedRange]:
         self._check(lib.acct_remove_queue(self._st, _slot(queue)), queue)
         return self._completions()
 
@@ -112,13 +112,13 @@ class NativeAccounting:
             raise MemoryError("cannot grow the queue table")
         return slot
 
-    def remove_holder(self, holder: int) -> list[Completion]:
+    def remove_holder(self, holder: int) -> list[CompletedRange]:
         self._check(lib.acct_remove_holder(self._st, _slot(holder, "holder")), holder)
         return self._completions()
 
     def set_thresholds(
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
-    ) -> tuple[list[Completion], list[Transition]]:
+    ) -> tuple[list[CompletedRange], list[Transition]]:
         slot = _slot(queue)
         counts_ok = thresholds_ok(stop_count, resume_count, COUNT_MAX)
         sizes_ok = thresholds_ok(stop_size, resume_size, SIZE_MAX)
@@ -158,7 +158,7 @@ class NativeAccounting:
             lib.acct_drop_session(self._st, session)
 
     # -- the batch ----------------------------------------------------------
-    def apply(self, log: array) -> tuple[list[Completion], Sequence[Hold], list[Transition]]:
+    def apply(self, log: array) -> tuple[list[CompletedRange], Sequence[Hold], list[Transition]]:
         if not ((type(log) is array and log.typecode == "q") or (type(log) is memoryview and log.format == "q")):
             log = array("q", log)  # the odd caller; the broker passes a memoryview cast to 'q'
         rc = lib.acct_apply(self._st, _from_buffer("int64_t[]", log), len(log))
@@ -175,7 +175,7 @@ class NativeAccounting:
     # -- results ------------------------------------------------------------
     # Each reads its count first: a cffi field that is a pointer costs an
     # allocation per read, and most batches have no holds and no transitions.
-    def _completions(self) -> list[Completion]:
+    def _completions(self) -> list[CompletedRange]:
         out = self._out
         n = out.ncompletions
         return list(_iter_completions(_buffer(out.completions, 24 * n))) if n else []

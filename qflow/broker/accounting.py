@@ -110,7 +110,7 @@ from qflow.broker.ops import (  # noqa: F401 - the op log's format, re-exported 
     SIZE_MAX,
     Accounting,
     AccountingError,
-    Completion,
+    CompletedRange,
     Hold,
     Transition,
     thresholds_ok,
@@ -193,9 +193,9 @@ class PyAccounting:
             raise AccountingError(f"op {index}: unknown queue slot {queue}")
         return self._queues[queue]  # type: ignore[return-value]
 
-    def remove_queue(self, queue: int) -> list[Completion]:
+    def remove_queue(self, queue: int) -> list[CompletedRange]:
         q = self._queue(queue)
-        out: list[Completion] = []
+        out: list[CompletedRange] = []
         self._release_all(q, out)
         self._queues[queue] = None
         self._free_queues.append(queue)
@@ -213,10 +213,10 @@ class PyAccounting:
             raise AccountingError(f"op {index}: unknown holder slot {holder}")
         return h
 
-    def remove_holder(self, holder: int) -> list[Completion]:
+    def remove_holder(self, holder: int) -> list[CompletedRange]:
         if self._holders.pop(holder, None) is None:
             raise AccountingError(f"unknown holder slot {holder}")
-        out: list[Completion] = []
+        out: list[CompletedRange] = []
         for i, entry in enumerate(self._outside):
             if entry[0] >= 0 and entry[1] == holder:
                 self._unhold(self._free_hold(i), out)
@@ -245,7 +245,7 @@ class PyAccounting:
 
     def set_thresholds(
         self, queue: int, stop_count: int, resume_count: int, stop_size: int, resume_size: int
-    ) -> tuple[list[Completion], list[Transition]]:
+    ) -> tuple[list[CompletedRange], list[Transition]]:
         q = self._queue(queue)
         if not thresholds_ok(stop_count, resume_count, COUNT_MAX):
             raise AccountingError(f"bad count thresholds {stop_count}/{resume_count}")
@@ -253,7 +253,7 @@ class PyAccounting:
             raise AccountingError(f"bad size thresholds {stop_size}/{resume_size}")
         q.stop_count, q.resume_count = stop_count, resume_count
         q.stop_size, q.resume_size = stop_size, resume_size
-        completions: list[Completion] = []
+        completions: list[CompletedRange] = []
         transitions: list[Transition] = []
         if not q.flow_on and q.over_stop():
             q.flow_on = True
@@ -283,7 +283,7 @@ class PyAccounting:
             self._transfers.append([1, session, command_id])
         return slot
 
-    def _unhold(self, slot: int, out: list[Completion]) -> None:
+    def _unhold(self, slot: int, out: list[CompletedRange]) -> None:
         t = self._transfers[slot]
         assert t is not None
         t[0] -= 1  # type: ignore[operator]
@@ -293,14 +293,14 @@ class PyAccounting:
             self._transfers[slot] = None
             self._free_transfers.append(slot)
 
-    def _release_all(self, q: _Queue, out: list[Completion]) -> None:
+    def _release_all(self, q: _Queue, out: list[CompletedRange]) -> None:
         """Release every held transfer. Its completions are ordered by
         (session, first id) and coalesced: a release interleaves sessions."""
         pending = q.pending
         q.pending = []
         q.generation = (q.generation + 1) & 0x7FFFFFFF
         q.held = 0
-        done: list[Completion] = []  # (session, id, id) of each transfer this completes, then sorted once
+        done: list[CompletedRange] = []  # (session, id, id) of each transfer this completes, then sorted once
         for slot in pending:
             if slot >= 0:
                 self._unhold(slot, done)
@@ -328,8 +328,8 @@ class PyAccounting:
                 t[1] = None
 
     # -- the batch ----------------------------------------------------------
-    def apply(self, log: array) -> tuple[list[Completion], list[Hold], list[Transition]]:
-        completions: list[Completion] = []
+    def apply(self, log: array) -> tuple[list[CompletedRange], list[Hold], list[Transition]]:
+        completions: list[CompletedRange] = []
         holds: list[Hold] = []
         transitions: list[Transition] = []
         nwords = len(log)
@@ -441,7 +441,7 @@ class PyAccounting:
         return completions, holds, transitions
 
 
-def _add_range(out: list[Completion], session: int, first: int, last: int) -> None:
+def _add_range(out: list[CompletedRange], session: int, first: int, last: int) -> None:
     if out:
         s, f, prev_last = out[-1]
         if s == session and prev_last + 1 == first:
@@ -450,7 +450,7 @@ def _add_range(out: list[Completion], session: int, first: int, last: int) -> No
     out.append((session, first, last))
 
 
-def _add_completion(out: list[Completion], session: int, command_id: int) -> None:
+def _add_completion(out: list[CompletedRange], session: int, command_id: int) -> None:
     # _add_range for one id, written out: a release of 10,000 holds calls it 10,000 times.
     last = out[-1] if out else None
     if last is not None and last[0] == session and last[2] + 1 == command_id:
@@ -459,7 +459,7 @@ def _add_completion(out: list[Completion], session: int, command_id: int) -> Non
         out.append((session, command_id, command_id))
 
 
-def _group_by_session(out: list[Completion], start: int) -> None:
+def _group_by_session(out: list[CompletedRange], start: int) -> None:
     """A release of many holds interleaves sessions: order its completions (from
     ``start`` on) by (session, first id) and coalesce them."""
     if len(out) - start > 1:

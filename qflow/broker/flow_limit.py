@@ -59,7 +59,7 @@ from qflow.broker.ops import (
     OP_WORDS,
     Accounting,
     AccountingError,
-    Completion,
+    CompletedRange,
     Hold,
     Transition,
 )
@@ -306,14 +306,14 @@ class FlowControl:
     def attach(self, q: Queue) -> None:
         self.queues[q.flow.slot] = q
 
-    def remove_queue(self, q: Queue) -> list[Completion]:
+    def remove_queue(self, q: Queue) -> list[CompletedRange]:
         """The queue is gone: its held transfers are no longer held by it."""
         self.apply()
         del self.queues[q.flow.slot]
         self.released(q)
         return self.acct.remove_queue(q.flow.slot)
 
-    def set_thresholds(self, q: Queue, settings: QueueSettings) -> list[Completion]:
+    def set_thresholds(self, q: Queue, settings: QueueSettings) -> list[CompletedRange]:
         """New thresholds for a live queue: its flow state is re-evaluated now."""
         self.apply()
         completions, transitions = self.acct.set_thresholds(
@@ -333,7 +333,7 @@ class FlowControl:
         self.holders[holder.slot] = holder
         return holder
 
-    def remove_holder(self, holder: Holder) -> list[Completion]:
+    def remove_holder(self, holder: Holder) -> list[CompletedRange]:
         """The holder is gone: no queue carries it any more, and every transfer it
         holds is held by it no more. The log is applied first (its holds and
         releases take effect); returns the completed command ranges."""
@@ -429,7 +429,7 @@ class FlowControl:
         self.dirty.pop(ssn, None)
 
     # -- the batch ----------------------------------------------------------------
-    def apply(self) -> list[Completion]:
+    def apply(self) -> list[CompletedRange]:
         """Run the op log; returns the completed command ranges (session slot, first, last)."""
         if not self.log:
             return []

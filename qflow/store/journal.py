@@ -82,7 +82,8 @@ MAGIC = b"QFJ1"
 VERSION = 1
 CRC32 = 1
 KIND_HEADER, KIND_BATCH = 1, 2
-OP_ENQUEUE, OP_DEQUEUE, OP_DELETE = 1, 2, 3
+# A batch record's section kinds (native/journal.h's QF_JOURNAL_OP_*): not the broker's op log codes (qflow.broker.ops)
+REC_ENQUEUE, REC_DEQUEUE, REC_DELETE = 1, 2, 3
 
 DEFAULT_SEGMENT_SIZE = 32 << 20  # the quota's step (qflowd --store-segment-size, docs/store.md)
 
@@ -204,14 +205,14 @@ class Batch:
         """(op, items) in staging order, each item as the record holds it:
         (name, sequence, body), (name, sequence) or (name,)."""
         out: list[tuple[int, list[tuple[int, ...]]]] = []
-        taken = {OP_ENQUEUE: 0, OP_DEQUEUE: 0, OP_DELETE: 0}
+        taken = {REC_ENQUEUE: 0, REC_DEQUEUE: 0, REC_DELETE: 0}
         for op, n in zip(self.section_ops, self.section_counts, strict=True):
             i = taken[op]
             taken[op] = i + n
-            if op == OP_ENQUEUE:
+            if op == REC_ENQUEUE:
                 items: list[tuple[int, ...]] = [(self.enq_names[k], seq_and_size(self.entries[k])[0],
                                                  self.enq_bodies[k]) for k in range(i, i + n)]
-            elif op == OP_DEQUEUE:
+            elif op == REC_DEQUEUE:
                 items = list(zip(self.deq_names[i:i + n], self.deq_seqs[i:i + n], strict=True))
             else:
                 items = [(k,) for k in self.del_names[i:i + n]]
@@ -291,7 +292,7 @@ class Journal:
         body = len(staged.body_entries)
         staged.body_entries.append(len(staged.entries))
         staged.tail_bytes += len(first) - ENTRY_HEAD_SIZE
-        self._section(OP_ENQUEUE, len(placements))
+        self._section(REC_ENQUEUE, len(placements))
         live, group = self._live, self._staging
         for queue, entry in placements:
             seq = seq_and_size(entry)[0]
@@ -324,7 +325,7 @@ class Journal:
         staged.body_entries.extend(range(first, first + n))
         nbytes = sum(map(len, entries))
         staged.tail_bytes += nbytes - ENTRY_HEAD_SIZE * n
-        self._section(OP_ENQUEUE, n)
+        self._section(REC_ENQUEUE, n)
         if seqs is None:
             seqs = [seq for (seq,) in map(_seq_tuple, entries)]
         live = self._live.setdefault(queue, {})
@@ -370,7 +371,7 @@ class Journal:
             staged = self._staged
             staged.deq_names.extend(repeat(self._name(queue), len(removed)))
             staged.deq_seqs.extend(removed)
-            self._section(OP_DEQUEUE, len(removed))
+            self._section(REC_DEQUEUE, len(removed))
         return missing
 
     @staticmethod
@@ -387,7 +388,7 @@ class Journal:
         segs.pop(seq).remove(queue, seq)
         self._staged.deq_names.append(self._name(queue))
         self._staged.deq_seqs.append(seq)
-        self._section(OP_DEQUEUE, 1)
+        self._section(REC_DEQUEUE, 1)
         return True
 
     def delete_queue(self, queue: str) -> None:
@@ -397,7 +398,7 @@ class Journal:
         for seq, group in self._live.pop(queue, {}).items():
             group.remove(queue, seq)
         self._staged.del_names.append(self._name(queue))
-        self._section(OP_DELETE, 1)
+        self._section(REC_DELETE, 1)
 
     def has_staged(self) -> bool:
         return bool(self._staged)
@@ -665,7 +666,7 @@ SMALLEST_JOURNAL = _HEADER_RECORD_SIZE + _RECORD.size + Batch().payload_size()
 
 
 def _item_size(op: int) -> int:
-    return _ENQ.size if op == OP_ENQUEUE else _DEQ.size if op == OP_DEQUEUE else _U32.size
+    return _ENQ.size if op == REC_ENQUEUE else _DEQ.size if op == REC_DEQUEUE else _U32.size
 
 
 def _encoded_names(names: list[str]) -> bytes:
@@ -688,7 +689,7 @@ def encode_python(batch: Batch) -> bytes:
     parts.append(_U32.pack(len(sections)))
     for op, items in sections:
         parts.append(_SECTION.pack(op, len(items)))
-        pack = (_ENQ if op == OP_ENQUEUE else _DEQ if op == OP_DEQUEUE else _U32).pack
+        pack = (_ENQ if op == REC_ENQUEUE else _DEQ if op == REC_DEQUEUE else _U32).pack
         parts += [pack(*item) for item in items]
     parts += [memoryview(entry)[ENTRY_HEAD_SIZE:] for _, entry in bodies]
     return b"".join(parts)
@@ -805,12 +806,12 @@ def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[in
     for _ in range(nsections):
         op, n = _SECTION.unpack_from(p, pos)
         pos += _SECTION.size
-        if op not in (OP_ENQUEUE, OP_DEQUEUE, OP_DELETE):
+        if op not in (REC_ENQUEUE, REC_DEQUEUE, REC_DELETE):
             raise IndexError(f"section op {op}")
         width = _item_size(op) * n
         if pos + width > len(p):
             raise IndexError("section past the end")
-        st = _ENQ if op == OP_ENQUEUE else _DEQ if op == OP_DEQUEUE else _U32
+        st = _ENQ if op == REC_ENQUEUE else _DEQ if op == REC_DEQUEUE else _U32
         ops.append((op, list(st.iter_unpack(p[pos:pos + width]))))
         pos += width
     tails = []
@@ -821,15 +822,15 @@ def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[in
         raise IndexError(f"{len(p) - pos} bytes after the bodies")
     for op, items in ops:  # every index checked before anything is applied: a batch counts whole or not at all
         for item in items:
-            if item[0] >= nnames or (op == OP_ENQUEUE and item[2] >= nbodies):
+            if item[0] >= nnames or (op == REC_ENQUEUE and item[2] >= nbodies):
                 raise IndexError(f"op {op} names queue {item[0]} of {nnames} or body {item[-1]} of {nbodies}")
     for op, items in ops:
-        if op == OP_ENQUEUE:
+        if op == REC_ENQUEUE:
             for qi, seq, bi in items:
                 size, tail = heads[bi][0], tails[bi]
                 state.setdefault(names[qi], {})[seq] = (
                     number, _entry_head(REDELIVERED_YES, 0xCF, seq, 0xCF, size) + tail)
-        elif op == OP_DEQUEUE:
+        elif op == REC_DEQUEUE:
             for qi, seq in items:
                 state.get(names[qi], {}).pop(seq, None)
         else:
