@@ -199,7 +199,11 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
             while depth != (depth := _api(d, "/api/queues/big")["msgDepth"]):
                 await trio.sleep(0.5)
             view = _api(d, "/api/broker")
-            assert view["memoryAlarm"] and view["memoryAlarmCount"] == 1 and view["memoryUsed"] > high
+            # RabbitMQ's rule: set above the high watermark, cleared below the low one. Once set, the memory in
+            # use may dip back under high (a freed buffer, a trimmed heap) and the alarm rightly stays on.
+            (used, logged_high), = re.findall(r"memory alarm set: (\d+) bytes in use > high watermark (\d+)", d.log())
+            assert int(used) > high == int(logged_high)
+            assert view["memoryAlarm"] and view["memoryAlarmCount"] == 1 and view["memoryUsed"] >= low
             assert "qflow_memory_alarm 1" in _metrics(d)
             held = [s for c in _api(d, "/api/connections") for s in c["sessions"] if s["incompleteCommands"]]
             assert [s["incompleteCommands"] for s in held] == [50]
@@ -221,7 +225,7 @@ async def test_a_real_broker_holds_its_producers_above_the_watermark_and_release
             columns = table_columns(head, row)
             assert (columns["memHigh"], columns["memLow"]) == (str(high), str(low))
             assert (columns["memoryAlarm"], columns["alarms"]) == ("Y", "1")
-            assert int(columns["memoryUsed"]) > high
+            assert int(columns["memoryUsed"]) >= low  # alarmed: not below low (see above)
             assert head.split().index("overfulls") + 1 == head.split().index("memoryUsed")
             # A consumer is not blocked: it drains the queue, the alarm clears, the producer goes on.
             conn = await qflow.connect("127.0.0.1", d.port)
