@@ -431,33 +431,39 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
     assert log.count("store overfull condition cleared") == 1
 
 
-async def test_a_restart_on_an_overfull_journal_starts_overfull_and_keeps_the_held_messages(tmp_path: Path) -> None:
-    # Held transfers were synced before they were held: a SIGKILL loses none of them.
-    data_dir = tmp_path / "data"
-    d = qflowd(data_dir, *QUOTA)
-    capacity = 10
+async def _kill_while_held(d, capacity: int, body: bytes) -> tuple[int, int]:
+    """A durable sender of ``body % n`` to durable queue q sends until the overfull store
+    holds it, then ``d`` is killed (SIGKILL). Returns (messages sent, transfers complete then)."""
+    sent = completed = 0
     try:
         async with qflow.open_connection("127.0.0.1", d.port) as conn:
             ssn = await conn.session()
             await ssn.declare_queue("q", durable=True)
             sender = ssn.sender("q", capacity=capacity, durable=True)
-            sent = 0
 
             async def produce() -> None:
                 nonlocal sent
                 while True:
-                    await sender.send(b"%06d" % sent + b"." * 400)
+                    await sender.send(body % sent)
                     sent += 1
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(produce)
                 await wait_held(d, sender, lambda: sent)
+                completed = sent - sender.incomplete
                 d.kill()
                 nursery.cancel_scope.cancel()
     except qflow.ConnectionClosed:
         pass
     finally:
         d.kill()
+    return sent, completed
+
+
+async def test_a_restart_on_an_overfull_journal_starts_overfull_and_keeps_the_held_messages(tmp_path: Path) -> None:
+    # Held transfers were synced before they were held: a SIGKILL loses none of them.
+    data_dir = tmp_path / "data"
+    sent, _ = await _kill_while_held(qflowd(data_dir, *QUOTA), 10, b"%06d" + b"." * 400)
     d = qflowd(data_dir, *QUOTA)
     try:
         status, broker = api(d, "GET", "/api/broker")
@@ -589,31 +595,8 @@ async def test_a_restart_over_quota_keeps_every_completed_message_and_clears_whe
     # its recovered journal, has every message whose transfer completed (and the held ones: they were on
     # disk before they were held), and clears once a consumer drains the queue.
     data_dir = tmp_path / "data"
-    d = qflowd(data_dir, *OPERATOR_QUOTA, *segment)
-    sent = completed = 0
     body = b"%06d" + b"." * 994
-    try:
-        async with qflow.open_connection("127.0.0.1", d.port) as conn:
-            ssn = await conn.session()
-            await ssn.declare_queue("q", durable=True)
-            sender = ssn.sender("q", capacity=20, durable=True)
-
-            async def produce() -> None:
-                nonlocal sent
-                while True:
-                    await sender.send(body % sent)
-                    sent += 1
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(produce)
-                await wait_held(d, sender, lambda: sent)
-                completed = sent - sender.incomplete
-                d.kill()
-                nursery.cancel_scope.cancel()
-    except qflow.ConnectionClosed:
-        pass
-    finally:
-        d.kill()
+    sent, completed = await _kill_while_held(qflowd(data_dir, *OPERATOR_QUOTA, *segment), 20, body)
     assert completed > 0
     d = qflowd(data_dir, *OPERATOR_QUOTA, *segment)
     try:
