@@ -15,7 +15,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Reinstall when the packaging or the C sources change.
-$(STAMP): $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py)
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py) native/shared_header.py qflow/broker/ops.py
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native"
 	touch $(STAMP)

@@ -239,7 +239,7 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
     protocol's own sans-I/O state machine (over TLS for amqps://, with the
     TLS options of ``args``), closed at once."""
     from qflow.protocol import spec as P
-    from qflow.protocol.connection import _EOF_TEXT, ConnectionEnd, Opened, ProtocolConnection, Role
+    from qflow.protocol.connection import ConnectionEnd, Opened, ProtocolConnection, Role
     from qflow.protocol.framing import FramingError
 
     address = f"{url.host}:{url.port}"
@@ -282,7 +282,7 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
                                             "give it with --mgmt-url HOST:PORT")
                         return MgmtUrl(url.host, port, scheme)
         except ConnectionEnd as exc:
-            if context is not None and exc.text == _EOF_TEXT[Role.CLIENT]:  # no close frame: TLS ended
+            if context is not None and exc.stream_ended:  # no close frame: TLS ended
                 from qflow.protocol.tls import PEER_ENDED_HINT
 
                 raise ToolError(f"TLS with the broker at {address} failed: connection closed ({PEER_ENDED_HINT})") \

@@ -45,7 +45,7 @@ from typing import Any
 import trio
 
 from qflow import __version__
-from qflow.broker.flow import FlowDefaults, SettingsError
+from qflow.broker.settings import FlowDefaults, SettingsError
 from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.management.guard import allowed_host_problem

@@ -14,8 +14,8 @@
 #include <string.h>
 
 #define COUNT_MAX UINT32_MAX
-#define GENERATION_MASK 0x7FFFFFFFu /* keeps tokens non-negative int64 */
-#define TOKEN_INDEX_LIMIT ((size_t)1 << 32)
+#define GENERATION_MASK ((uint64_t)QFLOW_GENERATION_MASK) /* keeps tokens non-negative int64 */
+#define TOKEN_INDEX_LIMIT ((size_t)1 << QFLOW_GENERATION_SHIFT)
 /* A released pending list bigger than this is freed rather than kept: a
  * burst of holds should not pin its memory for the queue's whole life. */
 #define PENDING_KEEP 1024
@@ -646,7 +646,7 @@ int64_t acct_holds_of(const acct_state *st, int64_t holder, int64_t *tokens, int
         if (t->dropped)
             continue;
         if (n < cap) {
-            tokens[n] = (int64_t)(((uint64_t)o->generation << 32) | i);
+            tokens[n] = (int64_t)(((uint64_t)o->generation << QFLOW_GENERATION_SHIFT) | i);
             sessions[n] = t->session;
         }
         n++;
@@ -754,7 +754,7 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
                 if (current < 0)
                     current = new_transfer(st, session, command_id);
                 st->transfers[current].holds++;
-                int64_t token = (int64_t)(((uint64_t)q->generation << 32) | q->npending);
+                int64_t token = (int64_t)(((uint64_t)q->generation << QFLOW_GENERATION_SHIFT) | q->npending);
                 q->pending[q->npending++] = current;
                 q->held++;
                 int64_t *rec = out->holds + 4 * out->nholds++;
@@ -786,7 +786,7 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
                 FAIL(ACCT_ERR_NOMEM, 0);
             if (!resumed) {
                 int64_t token = w[3];
-                if (token >= 0 && (uint64_t)(token >> 32) == q->generation) {
+                if (token >= 0 && (uint64_t)(token >> QFLOW_GENERATION_SHIFT) == q->generation) {
                     size_t idx = (size_t)(token & 0xFFFFFFFF);
                     if (idx < q->npending && q->pending[idx] >= 0) {
                         int32_t slot = q->pending[idx];
@@ -829,7 +829,7 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
             h->held++;
             int64_t *rec = out->holds + 4 * out->nholds++;
             rec[0] = (int64_t)i;
-            rec[1] = (int64_t)(((uint64_t)o->generation << 32) | idx);
+            rec[1] = (int64_t)(((uint64_t)o->generation << QFLOW_GENERATION_SHIFT) | idx);
             rec[2] = session;
             rec[3] = a;
         } else if (op == ACCT_OP_RELEASE) {
@@ -840,7 +840,7 @@ int acct_apply(acct_state *st, const int64_t *log, size_t nwords)
             size_t idx = (size_t)((uint64_t)b & 0xFFFFFFFF);
             if (b >= 0 && idx < st->noutside) {
                 const struct outside_hold *o = &st->outside[idx];
-                if (o->transfer >= 0 && o->holder == a && (uint64_t)(b >> 32) == o->generation) {
+                if (o->transfer >= 0 && o->holder == a && (uint64_t)(b >> QFLOW_GENERATION_SHIFT) == o->generation) {
                     h->held--;
                     unhold(st, free_outside_hold(st, idx), out);
                 }

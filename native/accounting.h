@@ -13,31 +13,33 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define ACCT_OP_WORDS 5
-#define ACCT_OP_TRANSFER 1
-#define ACCT_OP_ENQUEUE 2
-#define ACCT_OP_END 3
-#define ACCT_OP_TRANSFER1 4
-#define ACCT_OP_DEQUEUE 5
-#define ACCT_OP_DEQUEUE_N 6
-#define ACCT_OP_HOLD 7
-#define ACCT_OP_RELEASE 8
+#include "qflow_shared.h" /* written from qflow/broker/ops.py at build time */
+
+#define ACCT_OP_WORDS QFLOW_OP_WORDS
+#define ACCT_OP_TRANSFER QFLOW_OP_TRANSFER
+#define ACCT_OP_ENQUEUE QFLOW_OP_ENQUEUE
+#define ACCT_OP_END QFLOW_OP_END
+#define ACCT_OP_TRANSFER1 QFLOW_OP_TRANSFER1
+#define ACCT_OP_DEQUEUE QFLOW_OP_DEQUEUE
+#define ACCT_OP_DEQUEUE_N QFLOW_OP_DEQUEUE_N
+#define ACCT_OP_HOLD QFLOW_OP_HOLD
+#define ACCT_OP_RELEASE QFLOW_OP_RELEASE
 
 /* Status codes. acct_output.err_op is the failing op's index (-1 when the
  * error is not tied to one op) and err_value the number the message names:
  * the queue or holder slot, the op code or the log's word count. */
-#define ACCT_OK 0
-#define ACCT_ERR_NOMEM 1
-#define ACCT_ERR_UNKNOWN_QUEUE 2
-#define ACCT_ERR_LOG_LENGTH 3
-#define ACCT_ERR_NESTED_TRANSFER 4
-#define ACCT_ERR_ENQUEUE_OVERFLOW 5
-#define ACCT_ERR_DEQUEUE_UNDERFLOW 6
-#define ACCT_ERR_END_WITHOUT_TRANSFER 7
-#define ACCT_ERR_UNKNOWN_OP 8
-#define ACCT_ERR_UNTERMINATED 9
-#define ACCT_ERR_UNKNOWN_HOLDER 10
-#define ACCT_ERR_HOLD_OUTSIDE_TRANSFER 11
+#define ACCT_OK QFLOW_ACCT_OK
+#define ACCT_ERR_NOMEM QFLOW_ERR_NOMEM
+#define ACCT_ERR_UNKNOWN_QUEUE QFLOW_ERR_UNKNOWN_QUEUE
+#define ACCT_ERR_LOG_LENGTH QFLOW_ERR_LOG_LENGTH
+#define ACCT_ERR_NESTED_TRANSFER QFLOW_ERR_NESTED_TRANSFER
+#define ACCT_ERR_ENQUEUE_OVERFLOW QFLOW_ERR_ENQUEUE_OVERFLOW
+#define ACCT_ERR_DEQUEUE_UNDERFLOW QFLOW_ERR_DEQUEUE_UNDERFLOW
+#define ACCT_ERR_END_WITHOUT_TRANSFER QFLOW_ERR_END_WITHOUT_TRANSFER
+#define ACCT_ERR_UNKNOWN_OP QFLOW_ERR_UNKNOWN_OP
+#define ACCT_ERR_UNTERMINATED QFLOW_ERR_UNTERMINATED
+#define ACCT_ERR_UNKNOWN_HOLDER QFLOW_ERR_UNKNOWN_HOLDER
+#define ACCT_ERR_HOLD_OUTSIDE_TRANSFER QFLOW_ERR_HOLD_OUTSIDE_TRANSFER
 
 typedef struct acct_output {
     int64_t *completions;   /* (session, first, last) per completed range */

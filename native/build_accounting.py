@@ -6,10 +6,15 @@ the current directory.
 """
 
 import os
+import sys
 
 from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import shared_header  # noqa: E402
+
+shared_header.write()  # the numbers the C code shares with Python, written from the Python definitions
 
 # Mirrors native/accounting.h (cdef cannot read headers); in API mode cffi
 # checks these declarations against the real header when it compiles.

@@ -30,13 +30,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define QF_ENTRY_HEAD 19   /* redelivered flag, 0xcf + sequence, 0xcf + message size */
-#define QF_OP_WORDS 5
-#define QF_OP_TRANSFER 1   /* the accounting's op codes (qflow/broker/ops.py) */
-#define QF_OP_ENQUEUE 2
-#define QF_OP_END 3
-#define QF_OP_TRANSFER1 4
-#define QF_OP_HOLD 7
+#include "qflow_shared.h" /* written from qflow/broker/ops.py and qflow/protocol/entries.py at build time */
+
+#define QF_ENTRY_HEAD QFLOW_ENTRY_HEAD /* redelivered flag, 0xcf + sequence, 0xcf + message size */
+#define QF_OP_WORDS QFLOW_OP_WORDS
+#define QF_OP_TRANSFER QFLOW_OP_TRANSFER /* the accounting's op codes */
+#define QF_OP_ENQUEUE QFLOW_OP_ENQUEUE
+#define QF_OP_END QFLOW_OP_END
+#define QF_OP_TRANSFER1 QFLOW_OP_TRANSFER1
+#define QF_OP_HOLD QFLOW_OP_HOLD
 
 typedef struct qf_run {
     size_t count;          /* frames in the run */

@@ -21,7 +21,7 @@ _EXPORTS = {
         "qflow.client"),
     **dict.fromkeys(("AccountingError", "PyAccounting", "load_accounting"), "qflow.broker.accounting"),
     "Broker": "qflow.broker",
-    **dict.fromkeys(("FlowDefaults", "QueueSettings", "SettingsError"), "qflow.broker.flow"),
+    **dict.fromkeys(("FlowDefaults", "QueueSettings", "SettingsError"), "qflow.broker.settings"),
     **dict.fromkeys(("FrameDecoder", "FrameEncoder", "FramingError"), "qflow.protocol.framing"),
     "RangeSet": "qflow.protocol.ranges",
 }

@@ -30,7 +30,7 @@ from typing import IO, Any
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.accounting import Accounting
-from qflow.broker.flow import FlowDefaults
+from qflow.broker.settings import FlowDefaults
 from qflow.protocol.connection import Completed, Failed, FlowNotice, ProtocolConnection, Result, Role
 from qflow.protocol.entries import entry_tail, scan_entries, seq_and_size
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE

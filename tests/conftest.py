@@ -14,7 +14,7 @@ import trio
 
 import qflow
 from qflow.broker import Broker
-from qflow.broker.flow import FlowDefaults
+from qflow.broker.settings import FlowDefaults
 from qflow.server import Server
 from qflow.testing import Daemon
 from qflow.testing import start as start_daemon

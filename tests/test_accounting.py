@@ -467,7 +467,7 @@ def test_a_removed_holders_tokens_never_name_a_later_hold(acc):
 
 
 def test_holds_of_names_each_live_hold_with_its_transfers_session(acc):
-    """What a holder that starts naming sessions asks (FlowControl.name_holds):
+    """What a holder that starts naming sessions asks (Completion.name_holds):
     its live holds' tokens, in index order, each with its transfer's session;
     a released hold and a dropped session's are gone, an unknown holder is refused."""
     h, other = acc.add_holder(), acc.add_holder()
@@ -1013,7 +1013,7 @@ def test_native_matches_python(history):
 def test_the_native_holds_read_as_a_list_of_tuples_and_by_column():
     """NativeAccounting.apply gives its holds as HoldRows: equal to the Python
     twin's list of (op_index, token, session, slot), indexable, iterable, and
-    its ``words`` the same numbers by column (what FlowControl reads)."""
+    its ``words`` the same numbers by column (what Completion reads)."""
     py, native = PyAccounting(), NativeAccounting()
     for acc in (py, native):
         h = acc.add_holder()

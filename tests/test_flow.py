@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import qflow
-from qflow.broker.flow import FlowDefaults
+from qflow.broker.settings import FlowDefaults
 from tests.conftest import start_broker, wait_for
 
 

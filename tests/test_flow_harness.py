@@ -13,7 +13,7 @@ import pytest
 
 from qflow import protocol as P
 from qflow.broker import Broker
-from qflow.broker.flow import FlowDefaults
+from qflow.broker.settings import FlowDefaults
 from qflow.management.views import queue_view, session_view
 from qflow.testing import Harness, MemorySession
 
@@ -284,5 +284,5 @@ def test_a_transfer_held_and_let_go_in_one_batch_is_never_shown_held():
     unpacker.feed(ssn.out.take())
     frames = list(unpacker)
     assert [f[0] for f in frames] == [P.COMPLETED] and frames[0][2] == [0, 1]
-    assert q.flow.held_sessions == {} and q.flow.tokens == {} and ssn.held_since == {}
+    assert broker.completion.held_sessions(q) == {} and broker.completion.held_tokens(q) == {} and ssn.held_since == {}
     assert broker.queue_stats(q)["flowStoppedCount"] == 1

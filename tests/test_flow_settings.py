@@ -1,4 +1,4 @@
-"""Queue limits and flow thresholds (qflow.broker.flow.resolve, FlowDefaults), resolved as qpidd resolves them.
+"""Queue limits and flow thresholds (qflow.broker.settings.resolve, FlowDefaults), resolved as qpidd resolves them.
 
 The rules are the Qpid C++ broker's code (QueueFlowLimit::createLimit and validateFlowConfig), which
 decides where the manual is silent; the manual's own examples are rows of the table below:
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from qflow.broker.flow import (
+from qflow.broker.settings import (
     MAX_COUNT,
     MAX_SIZE,
     POLICY,

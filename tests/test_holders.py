@@ -12,7 +12,7 @@ import pytest
 
 from qflow import protocol as P
 from qflow.broker import Broker
-from qflow.broker.flow_limit import Holder
+from qflow.broker.completion import Holder
 from qflow.broker.ops import OP_END, OP_ENQUEUE, OP_HOLD, OP_TRANSFER, OP_TRANSFER1
 from qflow.protocol.entries import entry_tail, seq_of
 from qflow.protocol.ranges import RangeSet
@@ -276,8 +276,8 @@ def test_a_session_that_closes_while_held(harness: Harness):
     assert broker.acct.stats(store.slot)[4] == 1  # the closed session's holds are forgotten
     assert broker.queues["q"].count == 3  # its messages stay
     completed = []
-    apply = broker.flow.apply
-    broker.flow.apply = lambda: completed.extend(apply()) or completed
+    apply = broker.completion.apply
+    broker.completion.apply = lambda: completed.extend(apply()) or completed
     release(harness, store, tokens(held))  # the closed session's tokens are stale: ignored
     assert not o.incomplete(kept)
     assert [c[0] for c in completed] == [slots["o"]]  # nothing for the closed session
@@ -322,14 +322,13 @@ def test_a_queue_without_holders_logs_what_it_did(harness: Harness):
         p.call(P.EXCHANGE_BIND, "amq.fanout", name, "")
     ssn = next(iter(broker.sessions.values()))
     codes = []
-    apply = broker.flow.apply
+    apply = broker.completion.apply
 
     def spy():
-        codes.extend(int.from_bytes(broker.flow.log[i:i + 8], "little", signed=True)
-                      for i in range(0, len(broker.flow.log), 40))
+        codes.extend(broker.oplog.op_codes())
         return apply()
 
-    broker.flow.apply = spy
+    broker.completion.apply = spy
     broker.transfer(ssn, ssn.commands.next_id, "", "a", None, b"x")
     broker.transfer(ssn, ssn.commands.next_id + 1, "amq.fanout", "", None, b"x")
     broker.flush()

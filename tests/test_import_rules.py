@@ -265,11 +265,7 @@ def test_no_two_modules_of_a_package_import_each_other_at_run_time(package):
 # Packages whose modules still name each other in a circle through type-only
 # imports (``if TYPE_CHECKING:``), each with why. The rest import one way: a
 # module below knows one above only as a protocol it defines itself.
-TYPE_ONLY_CYCLES_EXEMPT: dict[str, str] = {
-    "qflow.broker": "queue.py imports flow_limit.py, which names queue.py's Queue and session.py's BrokerSession "
-                    "back under TYPE_CHECKING, and session.py names Queue: the circle flow_limit.py <-> queue.py "
-                    "<-> session.py, which the broker's own rework removes",
-}
+TYPE_ONLY_CYCLES_EXEMPT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("package", [_exempt(TYPE_ONLY_CYCLES_EXEMPT, p) for p in PACKAGES])
@@ -279,10 +275,7 @@ def test_the_modules_of_a_package_import_one_way_even_for_types(package):
 
 
 # Packages with a module that imports another module's private name, each with why.
-PRIVATE_IMPORTS_EXEMPT: dict[str, str] = {
-    "qflow.cli": "cli/_common.py (discover_management) imports qflow.protocol.connection._EOF_TEXT to tell a TLS "
-                 "refusal from a broker's close; the protocol must name that text publicly first",
-}
+PRIVATE_IMPORTS_EXEMPT: dict[str, str] = {}
 
 
 def _private_imports(package: str) -> list[str]:

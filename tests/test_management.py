@@ -24,7 +24,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from qflow.broker.flow import FlowDefaults
+from qflow.broker.settings import FlowDefaults
 from qflow.management import MAX_BODY, ManagementApi, ManagementServer
 from qflow.management.metrics import BROKER_METRICS, QUEUE_METRICS
 from tests.conftest import Running, start_broker, start_qflowd

@@ -257,7 +257,7 @@ def test_recovery_puts_messages_back_in_order_with_depth_and_flow_recomputed(har
     q = h.broker.queues["dq"]
     # Each message's size: exchange "" 1 + routing key "dq" 3 + {"durable": true} 10 + body 2 = 16 bytes.
     assert (q.count, q.nbytes) == (5, 80)
-    assert h.broker.flow.stats(q)[:3] == (5, 80, True)  # above its stop threshold: flow on
+    assert h.broker.completion.stats(q)[:3] == (5, 80, True)  # above its stop threshold: flow on
     cid = p.transfer("dq", b"new", properties=DURABLE)
     h.run()
     store.commit_inline()

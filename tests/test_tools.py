@@ -153,7 +153,7 @@ def test_default_ratios_through_the_api(daemon: Daemon) -> None:
 @pytest.mark.native_only
 @pytest.mark.native_only
 def test_qpid_config_thresholds_resolve_as_qpidd(daemon: Daemon) -> None:
-    """add queue and modify queue go through qpidd's resolution (qflow.broker.flow): the broker's
+    """add queue and modify queue go through qpidd's resolution (qflow.broker.settings): the broker's
     percentages pre-fill all four thresholds, and each option replaces its own value only."""
     d = daemon
     ok(config(d, "add", "queue", "qpidd-r1", "--max-queue-count", "1000", "--flow-stop-count", "900"))

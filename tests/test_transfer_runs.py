@@ -97,7 +97,7 @@ def _run_broker(runs: bool, chunks: list[bytes]) -> dict:
                     given[holder] += [(t, [(q.name, e) for q, e in messages]) for t, messages in held]
                 written.append(conn.encoder.take())
         queues = {name: (list(q.entries), q.count, q.nbytes, q.next_seq, q.discards_overflow, q.discards_ring, stats_but_incarnation(q),
-                         broker.acct.stats(q.slot), sorted(q.flow.tokens))
+                         broker.acct.stats(q.slot), sorted(broker.completion.held_tokens(q)))
                   for name, q in broker.queues.items()}
         sessions = {ch: (s.commands.next_id, s.commands.floor, s.next_delivery) for ch, s in conn.sessions.items()}
         holders = {h.name: (given[h], broker.acct.stats(h.slot)) for h in (store, disk)}

@@ -40,7 +40,7 @@ _iter_transitions = struct.Struct("4Q").iter_unpack
 class HoldRows(Sequence[Hold]):
     """An apply's holds as the C accounting wrote them, ``words`` (4 per hold:
     op index, token, session, slot), made tuples only when read as a
-    sequence: FlowControl takes the usual input (all one holder's) by column
+    sequence: Completion takes the usual input (all one holder's) by column
     (``words[1::4]`` are the tokens), with no tuple per hold."""
 
     __slots__ = ("words",)

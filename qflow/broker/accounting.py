@@ -14,7 +14,7 @@ The rules (Qpid C++ broker manual, "Producer Flow Control"):
   [resume]" -- and with both units, "until both resume thresholds are
   satisfied" (count < resume_count AND bytes < resume_size). A unit takes part
   in resuming when its *resume* threshold is non-zero, as in qpidd's
-  ``QueueFlowLimit::dequeued``: qpidd's resolution (``qflow.broker.flow``) can
+  ``QueueFlowLimit::dequeued``: qpidd's resolution (``qflow.broker.settings``) can
   leave a unit with stop 0 and a pre-filled resume, and that unit must still
   drain below it. Hence ``set_thresholds`` requires resume <= stop only for a
   unit whose stop is non-zero.
@@ -113,6 +113,9 @@ from qflow.broker.ops import (  # noqa: F401 - the op log's format, re-exported 
     CompletedRange,
     Hold,
     Transition,
+    generation_of,
+    make_token,
+    next_generation,
     thresholds_ok,
 )
 
@@ -227,11 +230,11 @@ class PyAccounting:
     def holds_of(self, holder: int) -> list[tuple[int, int]]:
         """(token, session) of each live hold of outside holder ``holder``, in
         token index order: what a holder that starts naming the sessions it
-        holds must know (FlowControl.name_holds), asked then rather than kept."""
+        holds must know (Completion.name_holds), asked then rather than kept."""
         if holder not in self._holders:
             raise AccountingError(f"unknown holder slot {holder}")
         transfers = self._transfers
-        return [(generation << 32 | i, transfers[slot][1]) for i, (slot, h, generation) in enumerate(self._outside)
+        return [(make_token(generation, i), transfers[slot][1]) for i, (slot, h, generation) in enumerate(self._outside)
                 if slot >= 0 and h == holder and transfers[slot][1] is not None]
 
     def _free_hold(self, i: int) -> int:
@@ -239,7 +242,7 @@ class PyAccounting:
         entry = self._outside[i]
         slot = entry[0]
         entry[0] = -1
-        entry[2] = (entry[2] + 1) & 0x7FFFFFFF
+        entry[2] = next_generation(entry[2])
         self._free_outside.append(i)
         return slot
 
@@ -298,7 +301,7 @@ class PyAccounting:
         (session, first id) and coalesced: a release interleaves sessions."""
         pending = q.pending
         q.pending = []
-        q.generation = (q.generation + 1) & 0x7FFFFFFF
+        q.generation = next_generation(q.generation)
         q.held = 0
         done: list[CompletedRange] = []  # (session, id, id) of each transfer this completes, then sorted once
         for slot in pending:
@@ -365,7 +368,7 @@ class PyAccounting:
                     if current < 0:
                         current = self._new_transfer(session, command_id)
                     self._transfers[current][0] += 1  # type: ignore[index]
-                    token = (q.generation << 32) | len(q.pending)
+                    token = make_token(q.generation, len(q.pending))
                     q.pending.append(current)
                     q.held += 1
                     holds.append((index, token, session, a))
@@ -391,7 +394,7 @@ class PyAccounting:
                     self._release_all(q, completions)
                 else:
                     token = log[base + 3]
-                    if token >= 0 and (token >> 32) == q.generation:
+                    if token >= 0 and generation_of(token) == q.generation:
                         i = token & 0xFFFFFFFF
                         if i < len(q.pending) and q.pending[i] >= 0:
                             slot = q.pending[i]
@@ -425,13 +428,13 @@ class PyAccounting:
                     entry = [current, a, 0]
                     self._outside.append(entry)
                 h.held += 1
-                holds.append((index, (entry[2] << 32) | i, session, a))
+                holds.append((index, make_token(entry[2], i), session, a))
             elif op == OP_RELEASE:
                 h = self._op_holder(index, a)
                 i = b & 0xFFFFFFFF
                 if b >= 0 and i < len(self._outside):
                     entry = self._outside[i]
-                    if entry[0] >= 0 and entry[1] == a and entry[2] == b >> 32:
+                    if entry[0] >= 0 and entry[1] == a and entry[2] == generation_of(b):
                         h.held -= 1
                         self._unhold(self._free_hold(i), completions)
             elif op != OP_TRANSFER1:

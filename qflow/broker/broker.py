@@ -1,11 +1,14 @@
 """The broker: sessions, routing, and the end of each input batch. No I/O.
 
 One input batch, as a connection drives it: every frame is handled (a
-transfer is routed and each destination queue enqueues and announces it; other
-commands go to qflow.broker.commands), then :meth:`Broker.flush` applies the
-flow limits' log in one accounting call (qflow.broker.flow_limit), delivers
-to consumers (qflow.broker.delivery), applies again, and writes one
-``session.completed`` per session that has news into that session's output.
+transfer is routed and each destination queue enqueues and announces it in
+the op log, qflow.broker.oplog; other commands go to qflow.broker.commands),
+then :meth:`Broker.flush` applies the op log in one accounting call
+(qflow.broker.completion decides which transfers complete), delivers to
+consumers (qflow.broker.delivery), applies again, and writes one
+``session.completed`` per session that has news into that session's output,
+and what completion decided for it (held by a queue or a holder, or no
+longer: ``session.flow-notice``).
 The broker never sees a connection: a session's output is the session
 output its connection gave :meth:`Broker.open_session`
 (qflow.protocol.session_output), which turns what the broker says into frames.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Collection, Generator
 from typing import Any
 
@@ -23,14 +27,16 @@ import msgpack
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
 from qflow.broker.acl import Acl, AclDenied
+from qflow.broker.completion import Completion, Dequeued, Holder, holders_of
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.delivery import Delivery
 from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
-from qflow.broker.flow import FlowDefaults, SettingsError, resolve, resume_without_stop
-from qflow.broker.flow_limit import Dequeued, FlowControl, Holder, holders_of, pack_op
-from qflow.broker.ops import OP_END, OP_TRANSFER, Accounting
+from qflow.broker.flow_limit import FlowLimit
+from qflow.broker.oplog import OpLog
+from qflow.broker.ops import Accounting
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
+from qflow.broker.settings import FlowDefaults, SettingsError, resolve, resume_without_stop
 from qflow.protocol import CommandError
 from qflow.protocol.entries import Entry, encode_tail, redelivered, seq_of
 from qflow.protocol.names import printable
@@ -78,7 +84,9 @@ class Broker:
     def __init__(self, defaults: FlowDefaults | None = None, accounting: Accounting | None = None,
                  transfer_runs: bool | None = None) -> None:
         self.defaults = defaults or FlowDefaults()
-        self.flow = FlowControl(accounting or load_accounting())
+        self.oplog = OpLog()  # what queues, transfers and holders announce, until the next apply
+        self.completion = Completion(accounting or load_accounting(), self.oplog, self._tell)
+        self.limits: dict[Queue, FlowLimit] = {}  # each queue's writers and worst case
         self.runs = _load_transfer_runs(transfer_runs)
         self.queues: dict[str, Queue] = {}
         self.exchanges: dict[str, Exchange] = {
@@ -91,7 +99,7 @@ class Broker:
         self.sessions: dict[int, BrokerSession] = {}
         self._next_session_slot = 0
         self._ready: dict[Queue, None] = {}  # queues with messages to deliver
-        self._dirty_sessions = self.flow.dirty  # sessions with something to report
+        self._dirty_sessions: dict[BrokerSession, None] = {}  # sessions with something to report
         self._stalled: dict[Queue, None] = {}  # queues a consumer's full output left undelivered
         self._delivery = Delivery(self._dirty_sessions, self._stalled)
         # (holder, matches, attached) per carry(): the rules that give every new queue its outside holders,
@@ -106,7 +114,7 @@ class Broker:
 
     @property
     def acct(self) -> Accounting:
-        return self.flow.acct
+        return self.completion.acct
 
     # -- sessions -------------------------------------------------------------
     def open_session(self, channel: int, name: str, out: SessionOutput | None = None,
@@ -119,7 +127,7 @@ class Broker:
         self._next_session_slot += 1
         ssn = BrokerSession(channel, name, slot, out, user, peer)
         self.sessions[slot] = ssn
-        self.flow.sessions[slot] = ssn
+        self.completion.add_session(slot, ssn)
         return ssn
 
     def close_session(self, ssn: BrokerSession) -> None:
@@ -149,7 +157,10 @@ class Broker:
         for q in list(self.queues.values()):
             if q.exclusive and q.owner is ssn:
                 self.delete_queue_now(q)
-        self.flow.drop_session(ssn)
+        self.completion.drop_session(ssn.slot)
+        for limit in self.limits.values():
+            limit.writers.pop(ssn, None)
+        self._dirty_sessions.pop(ssn, None)
         del self.sessions[ssn.slot]
         self.flush()
 
@@ -268,22 +279,20 @@ class Broker:
                 return
         # Several destinations, or outside holders: the transfer is opened, each
         # queue enqueues, the queues' outside holders hold it, and closing it
-        # drops its routing hold (qflow.broker.flow_limit).
+        # drops its routing hold (qflow.broker.completion).
         if len(queues) > 1:
             ex.msg_extra += len(queues) - 1
             ex.byte_extra += size * (len(queues) - 1)
-        flow = self.flow
-        flow.log += pack_op(OP_TRANSFER, ssn.slot, command_id, 0, 0)
-        flow.log_seqs.append(None)
+        oplog = self.oplog
+        oplog.open_transfer(ssn.slot, command_id)
         special = False
         for q in queues:
             q.enqueue(tail, size)
             if q.special:
                 special = True
         if special:
-            flow.hold(queues)
-        flow.log += pack_op(OP_END, 0, 0, 0, 0)
-        flow.log_seqs.append(None)
+            self.completion.hold(queues)
+        oplog.close_transfer()
         if special:
             for q in queues:
                 if q.ring:
@@ -358,8 +367,7 @@ class Broker:
         ex.msg_in += n  # counted once per run
         ex.byte_in += nbytes
         q.enqueue_run(entries, nbytes)
-        self.flow.log_seqs.extend(range(seq, seq + n))
-        self.flow.log += ops
+        self.oplog.add_run(ops, seq, n)
         return consumed
 
     def _fanout_run(self, ssn: BrokerSession, queues: list[Queue], ex: Exchange, buf: bytes, pos: int,
@@ -384,39 +392,16 @@ class Broker:
         seqs = [q.next_seq for q in queues]
         for q, (_, _, _, entries, _) in zip(queues, stored, strict=True):
             q.enqueue_run(entries, nbytes)
-        # One log entry per op: None for OP_TRANSFER and OP_END, each queue's sequence number for its OP_ENQUEUE,
-        # and for each OP_HOLD the messages it holds, as FlowControl.hold gives them.
-        log_seqs = self.flow.log_seqs
-        if not holders:
-            for i in range(n):
-                log_seqs.append(None)
-                log_seqs += [s + i for s in seqs]
-                log_seqs.append(None)
-        elif len(queues) == 1 and len(holders) == 1:  # one durable queue: the store's usual input
-            # Per transfer (None, seq, entry, None), filled in by column: no Python call, and no tuple,
-            # per message; log_runs says whose entries they are (FlowControl.log_runs).
-            entries = stored[0][3]
-            block: list[Any] = [None] * (4 * len(entries))
-            block[1::4] = range(seqs[0], seqs[0] + len(entries))
-            block[2::4] = entries
-            self.flow.log_runs.append((len(log_seqs), len(block), queues[0]))
-            log_seqs += block
-        else:
-            covered = list(holders.values())
-            for i in range(n):
-                log_seqs.append(None)
-                log_seqs += [s + i for s in seqs]
-                log_seqs += [tuple((queues[j], stored[j][3][i]) for j in held) for held in covered]
-                log_seqs.append(None)
-        self.flow.log += ops
+        self.oplog.add_fanout_run(ops, queues, seqs, [st[3] for st in stored], list(holders.values()))
         return consumed
 
     def _note_writer(self, ssn: BrokerSession, queues: Any) -> None:
         """Remember which queues a session writes to, with its sender capacity
         (for worstCaseDepth). Checked once per change of destination, not per message."""
         ssn.last_queues = queues
+        limits = self.limits
         for q in queues:
-            q.flow.note_writer(q, ssn)
+            limits[q].note_writer(q, ssn, ssn.capacity)
 
     def _oldest_is_acquired(self, q: Queue) -> bool:
         """Is the queue's oldest message delivered and awaiting accept? (ring-strict;
@@ -435,7 +420,7 @@ class Broker:
     # -- outside holders ----------------------------------------------------------
     def add_holder(self, name: str, wake: Callable[[], None] | None = None, dequeued: Dequeued | None = None,
                    deleted: Callable[[Queue], None] | None = None, *, tracks: bool = False) -> Holder:
-        """A new outside holder of transfers' completion (qflow.broker.flow_limit.Holder):
+        """A new outside holder of transfers' completion (qflow.broker.completion.Holder):
         the durable store, the memory alarm. It holds nothing until queues
         carry it (:meth:`carry`).
 
@@ -450,7 +435,7 @@ class Broker:
           tracks: whether naming it (:meth:`name_holder`) also names the
             sessions of the holds it has then (asked of the accounting).
         """
-        holder = self.flow.add_holder(name, wake, dequeued)
+        holder = self.completion.add_holder(name, wake, dequeued)
         holder.deleted = deleted
         holder.tracks = tracks
         return holder
@@ -460,7 +445,7 @@ class Broker:
         (session.flow-notice with its holder flag, ``heldBy`` in the views), the
         ones it holds already included if it ``tracks``; None: no longer, and
         the sessions it holds now are told it holds them no more."""
-        self.flow.name_holds(holder, label)
+        self.completion.name_holds(holder, label)
 
     def carry(self, holder: Holder, matches: Callable[[Queue], bool],
               attached: Callable[[Queue], None] | None = None) -> None:
@@ -478,7 +463,19 @@ class Broker:
         carries it, and the transfers it held complete unless something else
         holds them. Reported at once, as a session's close is."""
         self._carries = [rule for rule in self._carries if rule[0] is not holder]
-        self._complete(self.flow.remove_holder(holder))
+        self._complete(self.completion.remove_holder(holder))
+        self.flush()
+
+    def release_holds(self, holder: Holder, tokens: list[int]) -> None:
+        """``holder`` lets go of ``tokens`` (Holder.release), and the batch is
+        ended now (:meth:`flush`): the transfers left without a holder complete
+        and their sessions are told. Call it on the loop, between input batches.
+
+        Raises:
+          ValueError: a token is not a hold token (nothing is released then).
+        """
+        if tokens:
+            holder.release(tokens)
         self.flush()
 
     # -- acknowledgement ----------------------------------------------------------
@@ -532,8 +529,21 @@ class Broker:
 
     # -- the end of a batch ---------------------------------------------------
     def _apply(self) -> None:
-        if self.flow.log:  # most calls (the second of every flush) find nothing to apply
-            self._complete(self.flow.apply())
+        if self.oplog:  # most calls (the second of every flush) find nothing to apply
+            self._complete(self.completion.apply())
+
+    def _tell(self, ssn: BrokerSession, name: str, held: bool, holder: bool) -> None:
+        """What completion decided for ``ssn``: held by ``name`` (a queue, or an
+        outside holder if ``holder``), or no longer; told at the batch's end."""
+        if ssn.closed:
+            return
+        since = ssn.holder_since if holder else ssn.held_since
+        if held:
+            since[name] = time.time()
+        else:
+            since.pop(name, None)
+        ssn.out.flow_notice(name, held, holder)
+        self._dirty_sessions[ssn] = None
 
     def _complete(self, completions: list[tuple[int, int, int]]) -> None:
         sessions = self.sessions
@@ -600,15 +610,15 @@ class Broker:
 
     def held_sessions(self, q: Queue) -> Collection[BrokerSession]:
         """The sessions ``q``'s flow control holds now: at least one transfer of each."""
-        return q.flow.held_sessions.keys()
+        return self.completion.held_sessions(q).keys()
 
     def set_sender_capacity(self, ssn: BrokerSession, capacity: int) -> None:
         """``ssn`` announced its senders' capacity: the worst case of every
         queue it writes to is counted again (a warning if it no longer fits)."""
         ssn.capacity = capacity
-        for q in self.queues.values():
-            if ssn in q.flow.writers:
-                q.flow.note_writer(q, ssn)
+        for q, limit in self.limits.items():
+            if ssn in limit.writers:
+                limit.note_writer(q, ssn, capacity)
 
     def _check_name(self, kind: str, name: str) -> None:
         if not name or len(name.encode()) > MAX_NAME:
@@ -640,9 +650,10 @@ class Broker:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.declare {name!r}: {exc}") from None
         self._warn_resume_without_stop(name, arguments)
         self.config_hooks.declare_queue(name, durable, auto_delete, arguments)
-        q = Queue(name, durable, exclusive, auto_delete, arguments, settings, self.flow.add_queue(settings),
-                  self.flow, self._ready, owner if exclusive else None)
-        self.flow.attach(q)
+        q = Queue(name, durable, exclusive, auto_delete, arguments, settings, self.completion.add_queue(settings),
+                  self.oplog, self._ready, owner if exclusive else None)
+        self.completion.attach(q)
+        self.limits[q] = FlowLimit()
         self.queues[name] = q
         self.exchanges[""].bind(q, name)
         for rule in self._carries:
@@ -653,7 +664,7 @@ class Broker:
         """Change a live queue's limits and thresholds; re-evaluates its flow state.
 
         The queue's arguments with the change laid over them are resolved
-        exactly as a declare of them would be (qflow.broker.flow), so a live
+        exactly as a declare of them would be (qflow.broker.settings), so a live
         queue never has thresholds a declare could not give it: a key the
         change leaves out keeps its value, and a threshold no key names is
         pre-filled from the broker defaults again."""
@@ -665,7 +676,7 @@ class Broker:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.modify {q.name!r}: {exc}") from None
         self._warn_resume_without_stop(q.name, merged)
         self.config_hooks.modify_queue(q, merged)
-        completions = self.flow.set_thresholds(q, settings)
+        completions = self.completion.set_thresholds(q, settings)
         q.arguments = merged
         q.set_settings(settings)
         self._complete(completions)
@@ -733,7 +744,8 @@ class Broker:
         q.deleted = True
         del self.queues[q.name]
         holders = q.holders
-        self._complete(self.flow.remove_queue(q))
+        self._complete(self.completion.remove_queue(q))
+        del self.limits[q]
         for holder in holders:
             if holder.deleted is not None:
                 holder.deleted(q)
@@ -875,7 +887,7 @@ class Broker:
         return n
 
     def queue_stats(self, q: Queue) -> dict[str, Any]:
-        count, nbytes, flow_on, stopped_count, held = self.flow.stats(q)
+        count, nbytes, flow_on, stopped_count, held = self.completion.stats(q)
         s = q.settings
         stats = q.stats()
         stats.update(
@@ -886,7 +898,7 @@ class Broker:
         return stats
 
     def worst_case(self, q: Queue) -> int:
-        return q.flow.worst_case(q.settings)
+        return self.limits[q].worst_case(q.settings)
 
     def declare_exchange(self, name: str, type_: str, durable: bool = False, passive: bool = False) -> bool:
         self._check_name("exchange", name)

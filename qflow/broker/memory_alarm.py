@@ -7,7 +7,7 @@ messages to clients that consume and acknowledge the deliveries) normal
 service resumes." Connections that only consume are not blocked.
 
 qflowd does it with the mechanism queue flow control and the store use: while
-the alarm is set, one more outside holder (qflow.broker.flow_limit.Holder)
+the alarm is set, one more outside holder (qflow.broker.completion.Holder)
 holds the completion of every transfer routed to any queue, so each producer
 stops after its capacity of unfinished sends. Nothing is refused, nothing is
 lost, and deliveries go on. The alarm clears below the low watermark (a lower
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker
-    from qflow.broker.flow_limit import Holder
+    from qflow.broker.completion import Holder
     from qflow.broker.queue import Queue
 
 log = logging.getLogger("qflow.broker")

@@ -1,7 +1,8 @@
 """The accounting's interface and its op log's format: one definition that
 the Python accounting, the C accounting (native/accounting.h) and the C
-transfer scanner (native/transfers.h) share. tests/test_native_layouts.py
-checks the C headers' values against these.
+transfer scanner (native/transfers.h) share. The C side includes
+native/qflow_shared.h, which the build writes from this file
+(native/shared_header.py); keep this module's imports to the standard library.
 
 See qflow.broker.accounting for what each op means.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from struct import Struct
 from typing import Protocol
 
 OP_WORDS = 5
@@ -21,6 +23,47 @@ OP_DEQUEUE = 5
 OP_DEQUEUE_N = 6
 OP_HOLD = 7
 OP_RELEASE = 8
+
+# The C accounting's status codes (native/accounting.h): what NativeAccounting
+# turns into the AccountingError PyAccounting raises.
+ACCT_OK = 0
+ERR_NOMEM = 1
+ERR_UNKNOWN_QUEUE = 2
+ERR_LOG_LENGTH = 3
+ERR_NESTED_TRANSFER = 4
+ERR_ENQUEUE_OVERFLOW = 5
+ERR_DEQUEUE_UNDERFLOW = 6
+ERR_END_WITHOUT_TRANSFER = 7
+ERR_UNKNOWN_OP = 8
+ERR_UNTERMINATED = 9
+ERR_UNKNOWN_HOLDER = 10
+ERR_HOLD_OUTSIDE_TRANSFER = 11
+
+# A hold token is (generation << 32) | index: the generation of its queue's (or
+# holder's) holds when it was given. A queue that lets all its holds go moves
+# on to the next generation, so its older tokens are known stale by this alone.
+GENERATION_SHIFT = 32
+GENERATION_MASK = 0x7FFFFFFF  # keeps tokens non-negative int64s
+
+
+def make_token(generation: int, index: int) -> int:
+    """The hold token of hold ``index`` of ``generation``."""
+    return generation << GENERATION_SHIFT | index
+
+
+def generation_of(token: int) -> int:
+    """The generation of the holds a hold token belongs to."""
+    return token >> GENERATION_SHIFT
+
+
+def next_generation(generation: int) -> int:
+    """The generation after ``generation`` (what a queue's holds move on to when it lets all go)."""
+    return (generation + 1) & GENERATION_MASK
+
+
+# One op of the log, packed: a precompiled Struct into a bytearray costs half
+# of array('q').extend with a tuple.
+pack_op = Struct(f"={OP_WORDS}q").pack
 
 COUNT_MAX = 0xFFFFFFFF
 SIZE_MAX = 0xFFFFFFFFFFFFFFFF

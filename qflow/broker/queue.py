@@ -3,10 +3,12 @@
 A queue holds its available entries in FIFO order and counts every message
 enqueued and not yet dequeued (available plus acquired-but-unaccepted): that
 is its depth, ``msgDepth``/``byteDepth``, and what its limits are checked
-against. It knows nothing of flow control. It announces each enqueue and
-dequeue to its observers: an op in the flow limits' log (qflow.broker.flow_limit,
-which keeps its own counts, as qpidd's QueueFlowLimit does, and decides), and
-itself in the set of queues with messages for their consumers.
+against. It knows nothing of flow control or completion. It announces each
+enqueue and dequeue to its observers: an op in the op log
+(qflow.broker.oplog, which the completion applies: the accounting keeps its
+own counts, as qpidd's QueueFlowLimit does, and decides), itself in the set of
+queues with messages for their consumers, and the dequeued entries to the
+outside holders it carries that watch dequeues (the store).
 """
 
 from __future__ import annotations
@@ -16,18 +18,23 @@ from collections import deque
 from collections.abc import Sequence
 from heapq import merge
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from qflow.broker.flow import QueueSettings
-from qflow.broker.flow_limit import FlowLimit, pack_op
-from qflow.broker.ops import OP_DEQUEUE, OP_DEQUEUE_N, OP_ENQUEUE, OP_TRANSFER1
+from qflow.broker.oplog import OpLog
+from qflow.broker.settings import QueueSettings
 from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, seq_and_size, seq_of, total_size
 from qflow.protocol.ranges import RangeSet
 
-if TYPE_CHECKING:
-    from qflow.broker.flow_limit import FlowControl, Holder
-
 _entry_head = ENTRY_HEAD.pack
+
+
+class CarriedHolder(Protocol):
+    """An outside holder of completion as a queue that carries it sees it
+    (qflow.broker.completion.Holder): told of the dequeues, if it asks."""
+
+    name: str
+    removed: bool
+    dequeued: Any  # (queue, entries) -> None, or None
 
 
 class Consumer:
@@ -50,7 +57,7 @@ class Consumer:
 
 class Queue:
     __slots__ = (
-        "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "flow", "slot", "control",
+        "name", "durable", "exclusive", "auto_delete", "arguments", "settings", "owner", "slot", "oplog",
         "ready", "entries", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
@@ -59,8 +66,7 @@ class Queue:
 
     def __init__(
         self, name: str, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict[str, Any],
-        settings: QueueSettings, flow: FlowLimit, control: FlowControl, ready: dict[Queue, None],
-        owner: Any = None,
+        settings: QueueSettings, slot: int, oplog: OpLog, ready: dict[Queue, None], owner: Any = None,
     ) -> None:
         self.name = name
         self.durable = durable
@@ -71,14 +77,13 @@ class Queue:
         self.max_count = settings.max_count  # copied from settings for the per-message path
         self.max_size = settings.max_size
         self.ring = settings.is_ring
-        self.holders: tuple[Holder, ...] = ()  # outside holders of the transfers routed here
+        self.holders: tuple[CarriedHolder, ...] = ()  # outside holders of the transfers routed here
         # A ring queue, or one with outside holders: the per-message path tests this one flag
         # for both, so that a queue with neither costs no more for their existence.
         self.special = self.ring
         self.owner = owner
-        self.flow = flow  # its flow limit
-        self.slot = flow.slot  # the accounting's number for it, at hand for the per-message path
-        self.control = control  # where it announces enqueues and dequeues (FlowControl.log)
+        self.slot = slot  # the accounting's number for it
+        self.oplog = oplog  # where it announces enqueues and dequeues
         self.ready = ready  # where it announces new messages for its consumers
         self.entries: deque[Entry] = deque()
         self.consumers: list[Consumer] = []  # they acquire: each message goes to one
@@ -108,15 +113,15 @@ class Queue:
         self.special = self.ring or bool(self.holders)
 
     # -- outside holders ------------------------------------------------------
-    def add_holder(self, holder: Holder) -> None:
-        """From now on ``holder`` holds each transfer routed here (qflow.broker.flow_limit.Holder)."""
+    def add_holder(self, holder: CarriedHolder) -> None:
+        """From now on ``holder`` holds each transfer routed here (qflow.broker.completion.Holder)."""
         if holder.removed:
             raise ValueError(f"queue {self.name!r}: holder {holder.name!r} was removed")
         if holder not in self.holders:
             self.holders = (*self.holders, holder)
             self.special = True
 
-    def remove_holder(self, holder: Holder) -> None:
+    def remove_holder(self, holder: CarriedHolder) -> None:
         """From now on ``holder`` does not hold the transfers routed here; the
         holds it has keep until it releases them."""
         self.holders = tuple(h for h in self.holders if h is not holder)
@@ -146,17 +151,15 @@ class Queue:
         self.nbytes += size
         if self.consumers or self.browsers:
             self.ready[self] = None
-        control = self.control
-        control.log_seqs.append(seq)
         if session >= 0:
-            control.log += pack_op(OP_TRANSFER1, session, command_id, self.slot, size)
+            self.oplog.transfer1(session, command_id, self.slot, size, seq)
         else:
-            control.log += pack_op(OP_ENQUEUE, self.slot, size, 0, 0)
+            self.oplog.enqueue(self.slot, size, seq)
         return seq
 
     def enqueue_run(self, entries: list[Entry], nbytes: int) -> None:
         """Append entries made by the transfer scanner (qflow.broker.transfer_runs),
-        which also wrote their announcements into the log."""
+        whose announcements it wrote (the caller hands them to the op log)."""
         n = len(entries)
         self.next_seq += n
         self.entries.extend(entries)
@@ -173,13 +176,12 @@ class Queue:
         after the last one, so a new message never takes a stored one's number."""
         if self.next_seq != 1 or self.entries:
             raise ValueError(f"queue {self.name!r}: restore() after messages were enqueued")
-        control = self.control
+        enqueue, slot = self.oplog.enqueue, self.slot
         nbytes = 0
         for entry in entries:
             seq, size = seq_and_size(entry)
             nbytes += size
-            control.log += pack_op(OP_ENQUEUE, self.slot, size, 0, 0)
-            control.log_seqs.append(seq)
+            enqueue(slot, size, seq)
         self.entries.extend(entries)
         self.count += len(entries)
         self.nbytes += nbytes
@@ -190,19 +192,15 @@ class Queue:
 
     def dequeue(self, entry: Entry) -> None:
         """Remove one message for good (accepted, purged, overwritten) and announce it
-        (to the flow limits and to the outside holders that watch dequeues)."""
-        self._announce_dequeue(*seq_and_size(entry))
-        if self.holders:
-            self._tell_holders((entry,))
-
-    def _announce_dequeue(self, seq: int, size: int) -> None:
-        """One message's dequeue, counted and announced to the flow limit (its hold here, if any, released)."""
+        (to the op log and to the outside holders that watch dequeues)."""
+        size = seq_and_size(entry)[1]
         self.count -= 1
         self.nbytes -= size
         self.total_dequeues += 1
         self.byte_total_dequeues += size
-        self.control.log += pack_op(OP_DEQUEUE, self.slot, size, self.flow.release_token(seq), 0)
-        self.control.log_seqs.append(None)
+        self.oplog.dequeue(self.slot, entry)
+        if self.holders:
+            self._tell_holders((entry,))
 
     def _tell_holders(self, entries: Sequence[Entry]) -> None:
         for holder in self.holders:
@@ -210,30 +208,17 @@ class Queue:
                 holder.dequeued(self, entries)
 
     def dequeue_many(self, entries: list[Entry]) -> None:
-        """Dequeue several: those whose transfer is held here one by one (their
-        holds are released), the rest announced as one OP_DEQUEUE_N; the outside
-        holders that watch dequeues are told of all of them at once."""
+        """Dequeue several, announced together; the outside holders that watch
+        dequeues are told of all of them at once."""
         if self.holders:
             self._tell_holders(entries)
-        tokens = self.flow.tokens
-        if not tokens:  # the usual case: no transfer held here
-            n, nbytes = len(entries), total_size(entries)
-        else:
-            n = nbytes = 0
-            for e in entries:
-                seq, size = seq_and_size(e)
-                if seq in tokens:  # as dequeue(), but the holders were told above
-                    self._announce_dequeue(seq, size)
-                else:
-                    n += 1
-                    nbytes += size
+        n, nbytes = len(entries), total_size(entries)
         if n:
             self.count -= n
             self.nbytes -= nbytes
             self.total_dequeues += n
             self.byte_total_dequeues += nbytes
-            self.control.log += pack_op(OP_DEQUEUE_N, self.slot, nbytes, n, 0)
-            self.control.log_seqs.append(None)
+            self.oplog.dequeue_many(self.slot, entries, nbytes)
 
     def trim_ring(self) -> None:
         """A ring queue over its limit drops its oldest available messages."""

@@ -116,14 +116,17 @@ class State(enum.Enum):
 
 class ConnectionEnd(Exception):
     """Input ended the connection: a refusal (the close frame to send is
-    recorded), the peer's ``connection.close`` (``by_peer``), a silent peer.
+    recorded), the peer's ``connection.close`` (``by_peer``), a silent peer,
+    or the peer's byte stream ending with no close frame (``stream_ended``:
+    what a TLS peer that refused this side's certificate does).
     ``code`` and ``text`` say why, as the glue reports it."""
 
-    def __init__(self, code: int, text: str, by_peer: bool = False) -> None:
+    def __init__(self, code: int, text: str, by_peer: bool = False, stream_ended: bool = False) -> None:
         super().__init__(text)
         self.code = code
         self.text = text
         self.by_peer = by_peer
+        self.stream_ended = stream_ended
 
 
 class AuthFailed(ConnectionEnd):
@@ -331,7 +334,7 @@ class ProtocolConnection:
         for bytes that are not a qflow stream (see :meth:`malformed`)."""
         if not data:
             self.connection_lost()
-            raise ConnectionEnd(P.CONNECTION_FORCED, _EOF_TEXT[self.role], by_peer=True)
+            raise ConnectionEnd(P.CONNECTION_FORCED, _EOF_TEXT[self.role], by_peer=True, stream_ended=True)
         if self.state is State.OPENING and data.startswith(b"HTTP/"):
             # The commonest mistake of all: the management port given for the messaging one.
             self.connection_lost()

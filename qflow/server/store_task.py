@@ -56,13 +56,11 @@ async def run_store(broker: Broker, journal: Journal, quota: QuotaLimits | None 
             await poked.wait()
             poked = trio.Event()
             commit = store.prepare()
-            broker.flush()  # the transient transfers prepare() released complete now, not after the sync
             if commit is None:
                 continue
             if commit.batch is not None:
                 await _write(journal, commit.batch, sync)
             store.finish(commit)
-            broker.flush()
     finally:
         if sync is not None:
             sync.close()

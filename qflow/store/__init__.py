@@ -9,7 +9,7 @@ qflow.protocol, and does its file I/O synchronously, with no trio; the server
 * ``journal``: persistent messages on durable queues, a segmented journal of
   checksummed batch records (docs/store.md).
 * ``message_store``: the journal as an outside holder of transfers'
-  completion (qflow.broker.flow_limit.Holder); qflow.server.store_task runs
+  completion (qflow.broker.completion.Holder); qflow.server.store_task runs
   its syncs off the event loop; qflow.server.daemon wires it (DIR/journal/).
 * ``quota``: the journal's disk quota (overfull/underfull): while it is
   overfull, the message store keeps holding persistent transfers.

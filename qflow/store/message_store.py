@@ -1,5 +1,5 @@
-"""The durable store as an outside holder of transfers' completion (issue 14,
-docs/architecture.md "Where the next capabilities go"). No trio, no I/O of
+"""The durable store as an outside holder of transfers' completion
+(qflow.broker.completion; docs/architecture.md). No trio, no I/O of
 its own: the journal (qflow.store.journal) does the writing, and the server's
 store task (qflow.server.store_task) runs its sync in a worker thread.
 
@@ -15,10 +15,11 @@ The cycle, all on the event loop except ``write_and_sync``::
 
     holder woken (inside an apply)     -> wake(): only a signal; nothing may be released mid-apply
     commit = store.prepare()           -> stages the holds that arrived, releases the transient ones
+                                          (Broker.release_holds: they complete at once)
     journal.write_and_sync(commit.batch)     (worker thread)
-    store.finish(commit); broker.flush()     -> the persistent transfers complete, unless the
-                                                journal is overfull (qflow.store.quota): then they
-                                                stay held until a commit brings it below underfull
+    store.finish(commit)               -> the persistent transfers complete, unless the journal is
+                                          overfull (qflow.store.quota): then they stay held until
+                                          a commit brings it below underfull
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from qflow.store.quota import QuotaLimits, StoreQuota
 
 if TYPE_CHECKING:
     from qflow.broker.broker import Broker
-    from qflow.broker.flow_limit import Held
+    from qflow.broker.completion import Held
     from qflow.broker.queue import Queue
 
 log = logging.getLogger("qflow.store")
@@ -189,7 +190,7 @@ class MessageStore:
         (released by prepare(): not here, which may run in the middle of a batch)."""
         for q, tokens, entries, seqs in self.holder.take_runs():  # the usual input: no Python call per transfer
             # One run of transfer frames: the same properties but for a message id, so the first
-            # message says whether all are persistent (flow_limit.HeldRun).
+            # message says whether all are persistent (completion.HeldRun).
             if self._is_persistent(entries[0]):
                 self._stage_run(q, entries, tokens, seqs)
             else:
@@ -294,13 +295,13 @@ class MessageStore:
 
     def prepare(self) -> Commit | None:
         """On the loop, between input batches: stage what arrived, release the
-        transient transfers' holds (then the caller flushes the broker), and take
-        the next commit; None if there is nothing to write or wait for."""
+        transient transfers' holds (they complete now, not after the sync), and
+        take the next commit; None if there is nothing to write or wait for."""
         self._stage_arrivals()
         self._early.clear()  # every hold given before this point has been staged above
         if self._now:
-            self.holder.release(self._now)
-            self._now = []
+            now, self._now = self._now, []
+            self.broker.release_holds(self.holder, now)
         batch = self.journal.take_staged()
         if batch is None and not self._waiting:
             return None
@@ -310,24 +311,26 @@ class MessageStore:
 
     def finish(self, commit: Commit) -> None:
         """On the loop, after ``journal.write_and_sync(commit.batch)`` returned:
-        the persistent transfers are durable; release them (then flush the broker)."""
+        the persistent transfers are durable: they complete now, unless the
+        store's quota holds them (overfull) or something else does."""
         if commit.batch is not None:
             self.journal.committed(commit.batch)
         quota = self.quota
+        released: list[int] = []
         # The size is checked after each commit, as the Java broker checks after each transaction: what
         # was in flight when the limit was crossed is written anyway (best effort), and held from then on.
         if quota.update(self.journal.size_on_disk()):
             if quota.overfull:  # the sessions held from now on are told by whom
                 self.broker.name_holder(self.holder, DISK_QUOTA)
             else:
-                self.holder.release(self._quota_held)
-                self._quota_held = []
+                released, self._quota_held = self._quota_held, []
                 self.broker.name_holder(self.holder, None)
         if quota.overfull:
             self._quota_held += commit.tokens
             self._compact()
         else:
-            self.holder.release(commit.tokens)
+            released += commit.tokens
+        self.broker.release_holds(self.holder, released)
 
     def _compact(self) -> None:
         """Overfull: if rewriting what is live would bring the journal under the
@@ -341,8 +344,8 @@ class MessageStore:
         return self.quota.stats()
 
     def commit_inline(self) -> None:
-        """prepare, write, sync and finish on the calling thread, then flush
-        (tests and tools: it blocks for the sync)."""
+        """prepare, write, sync and finish on the calling thread (tests and
+        tools: it blocks for the sync)."""
         commit = self.prepare()
         if commit is not None:
             if commit.batch is not None:
@@ -352,7 +355,6 @@ class MessageStore:
                     self.journal.committed(commit.batch)
                     raise
             self.finish(commit)
-        self.broker.flush()
 
     def close(self) -> None:
         """Stop holding: every transfer still held completes unless something else holds it

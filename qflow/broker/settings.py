@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qflow.broker.accounting import COUNT_MAX, SIZE_MAX
+from qflow.broker.ops import COUNT_MAX, SIZE_MAX
 
 MAX_COUNT = "qpid.max_count"
 MAX_SIZE = "qpid.max_size"
