@@ -20,8 +20,8 @@ import trio
 
 import qflow
 from qflow import testing
+from qflow.auth.users_file import SaslDb
 from qflow.protocol.sasl import make_verifier
-from qflow.store.sasl_db import SaslDb
 
 USER, PASSWORD = "bench", "bench-password"
 

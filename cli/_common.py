@@ -225,7 +225,7 @@ def connect_options(args: argparse.Namespace, url: BrokerUrl) -> dict[str, Any]:
 
 
 def _tls_failure(what: str, exc: OSError) -> ToolError:
-    from qflow.protocol.tls import client_handshake_failure
+    from qflow.transport.tls import client_handshake_failure
 
     return ToolError(f"TLS with {what} failed: {client_handshake_failure(exc)}")
 
@@ -283,7 +283,7 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
                         return MgmtUrl(url.host, port, scheme)
         except ConnectionEnd as exc:
             if context is not None and exc.stream_ended:  # no close frame: TLS ended
-                from qflow.protocol.tls import PEER_ENDED_HINT
+                from qflow.transport.tls import PEER_ENDED_HINT
 
                 raise ToolError(f"TLS with the broker at {address} failed: connection closed ({PEER_ENDED_HINT})") \
                     from None
@@ -416,7 +416,7 @@ class Management:
                 # The server closed an idle keep-alive connection: one fresh try.
                 self._conn.close()
                 if attempt == 2 and self._https:
-                    from qflow.protocol.tls import PEER_ENDED_HINT
+                    from qflow.transport.tls import PEER_ENDED_HINT
 
                     raise ToolError(f"TLS with the broker's management API at {self.address} failed: connection "
                                     f"closed ({PEER_ENDED_HINT})") from None

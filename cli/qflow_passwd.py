@@ -18,8 +18,8 @@ import argparse
 import getpass
 import sys
 
+from qflow.auth.users_file import SaslDb, SaslDbError, check_user_name
 from qflow.protocol.sasl import DEFAULT_ITERATIONS, MAX_ITERATIONS, MIN_ITERATIONS, make_verifier
-from qflow.store.sasl_db import SaslDb, SaslDbError, check_user_name
 
 PROG = "qflow-passwd"
 

@@ -45,6 +45,7 @@ from typing import Any
 import trio
 
 from qflow import __version__
+from qflow.auth.users_file import SaslDbError
 from qflow.broker.settings import FlowDefaults, SettingsError
 from qflow.management import DEFAULT_PORT as DEFAULT_MGMT_PORT
 from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
@@ -56,7 +57,6 @@ from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, a
 from qflow.store import StoreError
 from qflow.store.journal import DEFAULT_SEGMENT_SIZE, SMALLEST_JOURNAL
 from qflow.store.quota import QuotaError, QuotaLimits
-from qflow.store.sasl_db import SaslDbError
 
 from ._common import add_tool_options, yes_no
 

@@ -1,6 +1,6 @@
 """SASL EXTERNAL, sans I/O: the verified TLS client certificate's name is the
 user (qpidd's --ssl-require-client-authentication with EXTERNAL). The glue
-hands the name in (qflow/protocol/tls.py certificate_name reads it from the
+hands the name in (qflow/transport/tls.py certificate_name reads it from the
 certificate); the state machine decides. With real qflowd processes and the
 tools: tests/test_mutual_tls.py.
 """
@@ -15,7 +15,7 @@ from qflow.protocol import sasl
 from qflow.protocol import spec as P
 from qflow.protocol.connection import AuthFailed, ConnectionEnd, ProtocolConnection, Role
 from qflow.protocol.framing import PROTOCOL_HEADER
-from qflow.protocol.tls import certificate_name, client_handshake_failure, handshake_failure
+from qflow.transport.tls import certificate_name, client_handshake_failure, handshake_failure
 from tests.test_sasl import USERS, move
 
 

@@ -35,17 +35,21 @@ SOURCES = {"qflow": ROOT / "qflow", "cli": ROOT / "cli"}
 NATIVE = "native"
 ALLOWED = {
     "protocol": {"protocol", NATIVE},
+    "transport": {"transport"},  # TLS and read buffers, beneath the wire protocol: imports no qflow
+    "auth": {"auth", "protocol"},  # the users file; the mechanisms are the protocol's
     "broker": {"broker", "protocol", NATIVE},
-    "client": {"client", "protocol", NATIVE},
-    "management": {"management", "broker", "protocol", "version"},
+    "client": {"client", "protocol", "transport", NATIVE},
+    "management": {"management", "broker", "protocol", "transport", "version"},
     "store": {"store", "broker", "protocol", NATIVE},  # the durable store: no trio (the server runs its syncs)
-    "server": {"server", "management", "store", "broker", "protocol"},
-    "testing": {"testing", "server", "management", "store", "broker", "client", "protocol"},
+    "server": {"server", "management", "store", "broker", "protocol", "transport", "auth"},
+    "testing": {"testing", "server", "management", "store", "broker", "client", "protocol", "transport", "auth"},
     "spark": {"spark", "api", "client", "protocol"},
     "api": {"api", "version", "client", "broker", "protocol"},  # qflow/__init__.py: the public names
-    "cli": {"cli", "api", "version", "server", "management", "store", "broker", "client", "protocol"},
+    "cli": {"cli", "api", "version", "server", "management", "store", "broker", "client", "protocol", "transport",
+            "auth"},
 }
-FORBIDDEN_THIRD_PARTY = {"protocol": {"trio", "h11"}, "broker": {"trio", "h11"}, "store": {"trio", "h11"}}
+FORBIDDEN_THIRD_PARTY = {"protocol": {"trio", "h11"}, "broker": {"trio", "h11"}, "store": {"trio", "h11"},
+                         "transport": {"trio", "h11"}, "auth": {"trio", "h11"}}
 
 
 def _module_name(path: Path) -> str:

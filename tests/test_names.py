@@ -26,7 +26,7 @@ import qflow
 from qflow.client.errors import InvalidArgument
 from qflow.protocol.names import MAX_NAME, check_name, name_problem, printable
 from qflow.protocol.spec import CommandError
-from qflow.store.config import ConfigStore
+from qflow.store.definitions import DefinitionStore
 from qflow.testing import Daemon
 from tests.conftest import start_qflowd
 from tests.test_tools import config, ok, queue, refused
@@ -150,7 +150,7 @@ def _legacy_data_dir(root: Path, name: str) -> Path:
     name forges a log line, with flow thresholds that make qflowd log its name."""
     data = root / "data"
     data.mkdir()
-    store = ConfigStore.open(data)
+    store = DefinitionStore.open(data)
     store.declare_queue(name, True, False, {"qpid.flow_resume_count": 1})  # logged: resume without stop
     store.declare_queue("second" + name, True, False, {"qpid.flow_stop_count": 2, "qpid.flow_resume_count": 1})
     store.close()

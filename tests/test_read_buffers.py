@@ -1,4 +1,4 @@
-"""qflow's reads stay in the C allocator's heap (qflow.protocol.read_buffers).
+"""qflow's reads stay in the C allocator's heap (qflow.transport.read_buffers).
 
 Each read asks for 256 KiB; above glibc's default mmap threshold that is a
 fresh mapping per read, whose pages fault in every time. The end-to-end test
@@ -15,8 +15,8 @@ import pytest
 import trio
 
 import qflow
-from qflow.protocol.read_buffers import keep_read_buffers_in_heap
 from qflow.testing import Daemon, start
+from qflow.transport.read_buffers import keep_read_buffers_in_heap
 
 COUNT = 150_000
 SIZE = 64

@@ -1,6 +1,6 @@
 """Authentication, sans I/O: the SASL mechanisms (qflow.protocol.sasl), the
 handshake's authentication step in the connection state machine (both roles,
-wired back to back), the users file (qflow.store.sasl_db) and the tools'
+wired back to back), the users file (qflow.auth.users_file) and the tools'
 Qpid broker URL. The same rules with real qflowd processes: tests/test_auth.py.
 """
 
@@ -14,11 +14,11 @@ import stat
 import pytest
 from qflow.cli._common import BrokerUrl, parse_url
 
+from qflow.auth.users_file import SaslDb, SaslDbError, check_user_name
 from qflow.protocol import sasl
 from qflow.protocol import spec as P
 from qflow.protocol.connection import AuthFailed, ConnectionEnd, Opened, ProtocolConnection, Role, State
 from qflow.protocol.framing import PROTOCOL_HEADER
-from qflow.store.sasl_db import SaslDb, SaslDbError, check_user_name
 
 # RFC 7677 section 3: user "user", password "pencil".
 RFC_SALT = base64.b64decode("W22ZaJ0SNY7soEsUEjb6gQ==")

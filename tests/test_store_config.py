@@ -21,7 +21,7 @@ import pytest
 import trio
 
 import qflow
-from qflow.store.config import CONFIG_NAME, frame
+from qflow.store.definitions import CONFIG_NAME, frame
 from qflow.testing import Daemon, start
 
 TIMEOUT = 60

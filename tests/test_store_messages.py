@@ -21,7 +21,7 @@ import pytest
 import trio
 
 import qflow
-from qflow.store.config import CONFIG_NAME
+from qflow.store.definitions import CONFIG_NAME
 from tests.test_store_config import api, qflowd
 
 TIMEOUT = 60

@@ -51,8 +51,8 @@ from qflow.protocol.connection import (
 from qflow.protocol.entries import EntryError
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE, FramingError
 from qflow.protocol.parts import PartJoiner
-from qflow.protocol.read_buffers import keep_read_buffers_in_heap
-from qflow.protocol.tls import client_handshake_failure
+from qflow.transport.read_buffers import keep_read_buffers_in_heap
+from qflow.transport.tls import client_handshake_failure
 
 CLOSE_TIMEOUT = 2.0  # seconds close() waits for the broker to answer its connection.close
 

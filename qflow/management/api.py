@@ -99,7 +99,7 @@ _STATUS_BY_CODE = {
     P.NOT_ALLOWED: 409,
     P.RESOURCE_LIMIT_EXCEEDED: 409,
     P.INVALID_ARGUMENT: 400,
-    P.INTERNAL_ERROR: 503,  # the store cannot record a durable change (qflow.store.config): not the request's fault
+    P.INTERNAL_ERROR: 503,  # the store cannot record a durable change (qflow.store.definitions): not the request's fault
 }
 
 JSON_TYPE = "application/json"

@@ -29,7 +29,7 @@ from qflow.management.events import EventStream
 from qflow.management.guard import RequestGuard
 from qflow.protocol.framing import PROTOCOL_HEADER
 from qflow.protocol.names import printable
-from qflow.protocol.tls import certificate_name, handshake_failure
+from qflow.transport.tls import certificate_name, handshake_failure
 
 log = logging.getLogger("qflow.management")
 

@@ -24,9 +24,9 @@ from qflow.protocol.connection import AuthFailed, ConnectionEnd, Opened
 from qflow.protocol.framing import READ_SIZE, FramingError
 from qflow.protocol.names import printable
 from qflow.protocol.sasl import Users
-from qflow.protocol.tls import certificate_name, handshake_failure
 from qflow.server.input_budget import InputBudget
 from qflow.server.pump import ConnectionPump
+from qflow.transport.tls import certificate_name, handshake_failure
 
 log = logging.getLogger("qflow.server")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import trio
 
+from qflow.auth.users_file import SaslDb
 from qflow.broker import Broker
 from qflow.broker.accounting import load_accounting
 from qflow.broker.acl import Acl, AclError, parse
@@ -37,11 +38,10 @@ from qflow.server.admission import serve_listeners
 from qflow.server.listener import Server
 from qflow.server.memory_monitor import run_memory_monitor
 from qflow.server.store_task import run_store
-from qflow.store import ConfigStore, DataDir, StoreError
+from qflow.store import DataDir, DefinitionStore, StoreError
 from qflow.store.journal import Journal
 from qflow.store.message_store import MessageStore
 from qflow.store.quota import QuotaLimits
-from qflow.store.sasl_db import SaslDb
 
 log = logging.getLogger("qflow")
 
@@ -154,7 +154,7 @@ def open_store(broker: Broker, data_dir: str, resources: ExitStack) -> str:
     started = time.monotonic()
     datadir = DataDir.open(data_dir)
     resources.callback(datadir.close)
-    store = ConfigStore.open(datadir.path)
+    store = DefinitionStore.open(datadir.path)
     resources.callback(store.close)
     queues, exchanges, bindings = store.restore(broker)
     log.info("recovered %d queues, %d exchanges, %d bindings from %s in %.1f ms", queues, exchanges, bindings,

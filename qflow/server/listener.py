@@ -20,7 +20,6 @@ from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.protocol.connection import refusal
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
-from qflow.protocol.read_buffers import keep_read_buffers_in_heap
 from qflow.protocol.sasl import Users
 from qflow.server.admission import (
     MAX_LINGERING,
@@ -33,6 +32,7 @@ from qflow.server.admission import (
 )
 from qflow.server.connection import Connection
 from qflow.server.input_budget import InputBudget
+from qflow.transport.read_buffers import keep_read_buffers_in_heap
 
 log = logging.getLogger("qflow.server")
 

@@ -1,10 +1,10 @@
-"""The durable store (issue 14): what survives a qflowd restart, kept in its
+"""The durable store: what survives a qflowd restart, kept in its
 data directory. A layer above the broker: it may import qflow.broker and
 qflow.protocol, and does its file I/O synchronously, with no trio; the server
 (qflow.server.daemon) opens it and wires it to the broker.
 
 * ``datadir``: the data directory and its lock (one qflowd per directory).
-* ``config``: the durable queues, exchanges and bindings (``config.log``),
+* ``definitions``: the durable queues, exchanges and bindings (``config.log``),
   recorded through the broker's config hooks and restored at start-up.
 * ``journal``: persistent messages on durable queues, a segmented journal of
   checksummed batch records (docs/store.md).
@@ -15,7 +15,7 @@ qflow.protocol, and does its file I/O synchronously, with no trio; the server
   overfull, the message store keeps holding persistent transfers.
 """
 
-from qflow.store.config import ConfigError, ConfigStore
 from qflow.store.datadir import DataDir, DataDirLocked, StoreError
+from qflow.store.definitions import DefinitionError, DefinitionStore
 
-__all__ = ["ConfigError", "ConfigStore", "DataDir", "DataDirLocked", "StoreError"]
+__all__ = ["DefinitionError", "DefinitionStore", "DataDir", "DataDirLocked", "StoreError"]

@@ -1,4 +1,5 @@
-"""Durable configuration: the durable queues, exchanges and bindings, kept in
+"""Durable definitions: the durable queues, exchanges and bindings (what
+qpidd calls the durable configuration, RabbitMQ the definitions), kept in
 ``DIR/config.log`` so that a restarted broker has them again.
 
 **What is kept.** A queue declared durable, with its arguments exactly as
@@ -79,7 +80,7 @@ MAX_RECORD = 64 << 20  # far above any real declaration: a larger length is dama
 COMPACT_SLACK = 1024
 
 
-class ConfigError(StoreError):
+class DefinitionError(StoreError):
     """The configuration log cannot be used, or what it holds cannot be restored."""
 
 
@@ -136,7 +137,7 @@ def _shape(fields: list[Any], *types: type) -> bool:
 
 def read_log(data: bytes, path: Path) -> tuple[DurableConfig, int, int, str | None]:
     """Replay a log's bytes: (config, records read, good bytes, why it stopped early or None).
-    Raises ConfigError if the first record is not our header."""
+    Raises DefinitionError if the first record is not our header."""
     config = DurableConfig()
     pos = count = 0
     while pos < len(data):
@@ -163,26 +164,26 @@ def read_log(data: bytes, path: Path) -> tuple[DurableConfig, int, int, str | No
                     why = f"undecodable record ({exc})"
         if why is not None:
             if count == 0:
-                raise ConfigError(f"{path} is not a qflow configuration log (its first record: {why}); "
+                raise DefinitionError(f"{path} is not a qflow configuration log (its first record: {why}); "
                                   "move it away to start with an empty configuration")
             return config, count, pos, why
         pos = end
         count += 1
     if count == 0:
-        raise ConfigError(f"{path} is empty, not a qflow configuration log; move it away to start with an "
+        raise DefinitionError(f"{path} is empty, not a qflow configuration log; move it away to start with an "
                           "empty configuration")
     return config, count, pos, None
 
 
 def _check_header(record: Any, path: Path) -> None:
     if not (isinstance(record, list) and len(record) == 2 and record[0] == MAGIC and isinstance(record[1], int)):
-        raise ConfigError(f"{path} is not a qflow configuration log (no {MAGIC!r} header); move it away to "
+        raise DefinitionError(f"{path} is not a qflow configuration log (no {MAGIC!r} header); move it away to "
                           "start with an empty configuration")
     if record[1] != VERSION:
-        raise ConfigError(f"{path} is format version {record[1]}; this qflowd reads version {VERSION}")
+        raise DefinitionError(f"{path} is format version {record[1]}; this qflowd reads version {VERSION}")
 
 
-class ConfigStore(ConfigHooks):
+class DefinitionStore(ConfigHooks):
     """The configuration log of one data directory, as the broker's config hooks.
 
     :meth:`open` reads and replays the log; :meth:`restore` declares what it
@@ -203,7 +204,7 @@ class ConfigStore(ConfigHooks):
 
     # -- opening and recovery -------------------------------------------------
     @classmethod
-    def open(cls, directory: Path) -> ConfigStore:
+    def open(cls, directory: Path) -> DefinitionStore:
         """Read ``directory``'s log (creating an empty one if there is none),
         keep the good records, and leave it compact and ready to append to."""
         path = directory / CONFIG_NAME
@@ -212,7 +213,7 @@ class ConfigStore(ConfigHooks):
             tmp.unlink(missing_ok=True)  # a compaction that a crash interrupted; the log itself is whole
             data = path.read_bytes() if path.exists() else None
         except OSError as exc:
-            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+            raise DefinitionError(f"cannot read {path}: {exc.strerror or exc}") from None
         if data is None:
             config, count, good, why = DurableConfig(), 0, 0, None
         else:
@@ -228,9 +229,9 @@ class ConfigStore(ConfigHooks):
                 os.link(path, kept)
             except FileExistsError:
                 if not os.path.samefile(path, kept):  # the same file is kept already if a crash cut this short
-                    raise ConfigError(f"cannot keep the damaged {path}: {kept.name} exists") from None
+                    raise DefinitionError(f"cannot keep the damaged {path}: {kept.name} exists") from None
             except OSError as exc:
-                raise ConfigError(f"cannot keep the damaged {path} as {kept.name}: {exc.strerror or exc}") from None
+                raise DefinitionError(f"cannot keep the damaged {path} as {kept.name}: {exc.strerror or exc}") from None
         if data is None or why is not None or count > config.live + 1:
             store = cls(path, config)
             store._rewrite()
@@ -238,13 +239,13 @@ class ConfigStore(ConfigHooks):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise ConfigError(f"cannot open {path}: {exc.strerror or exc}") from None
+            raise DefinitionError(f"cannot open {path}: {exc.strerror or exc}") from None
         return cls(path, config, fd, good, count)
 
     def restore(self, broker: Broker) -> tuple[int, int, int]:
         """Declare the durable configuration into ``broker`` (fresh, with no
         queues yet), then become its config hooks. Returns (queues, exchanges,
-        bindings). Raises ConfigError naming the first object the broker
+        bindings). Raises DefinitionError naming the first object the broker
         refuses: the log is kept as it is, for a broker started with the options
         it was written under."""
         c = self.config
@@ -259,7 +260,7 @@ class ConfigStore(ConfigHooks):
             try:
                 step()
             except CommandError as exc:
-                raise ConfigError(f"cannot recover {what} from {self.path}: {exc.text} (were the broker's options "
+                raise DefinitionError(f"cannot recover {what} from {self.path}: {exc.text} (were the broker's options "
                                   "different when it was declared?)") from None
         broker.config_hooks = self
         return len(c.queues), len(c.exchanges), len(c.bindings)
@@ -287,7 +288,7 @@ class ConfigStore(ConfigHooks):
                 tmp.unlink(missing_ok=True)
                 raise
         except OSError as exc:
-            raise ConfigError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+            raise DefinitionError(f"cannot write {self.path}: {exc.strerror or exc}") from None
         if self._fd is not None:
             os.close(self._fd)
         self._fd, self._size, self._records = fd, len(data), len(records)
@@ -315,7 +316,7 @@ class ConfigStore(ConfigHooks):
         if self._records > 2 * (self.config.live + 1) + COMPACT_SLACK:
             try:
                 self._rewrite()
-            except ConfigError as exc:  # the change itself is safely appended: only the compaction waits
+            except DefinitionError as exc:  # the change itself is safely appended: only the compaction waits
                 log.warning("compacting the configuration log failed; it stays as it is: %s", exc)
 
     def _undo(self, exc: OSError) -> None:
