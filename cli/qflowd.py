@@ -63,6 +63,9 @@ from ._common import add_tool_options, yes_no
 log = logging.getLogger("qflow")
 
 DEFAULT_DATA_DIR = "~/.qflowd"
+# Each default is the model's own (one place): the flow defaults' and the connection limits'.
+FLOW = FlowDefaults()
+LIMITS = ConnectionLimits()
 MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE = 4096, 1 << 30
 
 
@@ -175,36 +178,37 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                         "repeatable")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
-    p.add_argument("--max-connections", type=int, default=500, metavar="N",
+    p.add_argument("--max-connections", type=int, default=LIMITS.max_connections, metavar="N",
                    help="most client connections served at once; more are refused with a reason; 0 = no limit "
-                        "(default 500, as qpidd)")
-    p.add_argument("--connection-limit-per-ip", type=int, default=0, metavar="N",
-                   help="most connections from one address at once; 0 = no limit (default 0)")
-    p.add_argument("--connection-limit-per-user", type=int, default=0, metavar="N",
+                        f"(default {LIMITS.max_connections}, as qpidd)")
+    p.add_argument("--connection-limit-per-ip", type=int, default=LIMITS.per_ip, metavar="N",
+                   help=f"most connections from one address at once; 0 = no limit (default {LIMITS.per_ip})")
+    p.add_argument("--connection-limit-per-user", type=int, default=LIMITS.per_user, metavar="N",
                    help="most connections of one user at once (ANONYMOUS clients are the user 'anonymous'); "
-                        "0 = no limit (default 0)")
-    p.add_argument("--max-negotiate-time", type=int, default=10000, metavar="MS",
+                        f"0 = no limit (default {LIMITS.per_user})")
+    p.add_argument("--max-negotiate-time", type=int, default=round(LIMITS.negotiate_time * 1000), metavar="MS",
                    help="milliseconds a new connection has to finish its handshake; 0 = no limit "
-                        "(default 10000, as qpidd)")
-    p.add_argument("--idle-timeout", type=float, default=0, metavar="SECS",
+                        f"(default {round(LIMITS.negotiate_time * 1000)}, as qpidd)")
+    p.add_argument("--idle-timeout", type=float, default=LIMITS.idle_timeout, metavar="SECS",
                    help="seconds a connection that negotiated no heartbeat may send nothing before it is "
-                        "closed; 0 = never (default 0)")
-    p.add_argument("--max-unfinished-input", type=int, default=ConnectionLimits.max_unfinished_input,
+                        f"closed; 0 = never (default {LIMITS.idle_timeout:g})")
+    p.add_argument("--max-unfinished-input", type=int, default=LIMITS.max_unfinished_input,
                    metavar="BYTES",
                    help="most bytes held in unfinished frames over all connections (each holds at most one "
                         "frame); past it the connections holding the most are closed with a reason; 0 = no "
-                        f"limit (default {ConnectionLimits.max_unfinished_input})")
+                        f"limit (default {LIMITS.max_unfinished_input})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe messages logged (default info); `qflow-config log-level L` changes it "
                         "while qflowd runs")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text lines, or one JSON object a line (time, level, logger, message) for log shippers")
-    p.add_argument("--default-flow-stop-threshold", type=int, default=80, metavar="PCT",
-                   help="flow stop threshold, percent of a queue's maximum (default 80)")
-    p.add_argument("--default-flow-resume-threshold", type=int, default=70, metavar="PCT",
-                   help="flow resume threshold, percent of a queue's maximum (default 70)")
-    p.add_argument("--default-queue-limit", type=int, default=104857600, metavar="BYTES",
-                   help="maximum size of queues declared without qpid.max_size; 0 = none (default 104857600)")
+    p.add_argument("--default-flow-stop-threshold", type=int, default=FLOW.stop_pct, metavar="PCT",
+                   help=f"flow stop threshold, percent of a queue's maximum (default {FLOW.stop_pct})")
+    p.add_argument("--default-flow-resume-threshold", type=int, default=FLOW.resume_pct, metavar="PCT",
+                   help=f"flow resume threshold, percent of a queue's maximum (default {FLOW.resume_pct})")
+    p.add_argument("--default-queue-limit", type=int, default=FLOW.queue_limit, metavar="BYTES",
+                   help="maximum size of queues declared without qpid.max_size; 0 = none "
+                        f"(default {FLOW.queue_limit})")
     p.add_argument("--auth", type=yes_no, default=None, metavar="yes|no",
                    help="require SASL authentication (SCRAM-SHA-256, PLAIN) on the messaging port and HTTP Basic "
                         "on the management port (default: no on loopback, yes with --sasl-db; required on other "

@@ -22,10 +22,8 @@ from typing import Any, Protocol
 
 from qflow.broker.oplog import OpLog
 from qflow.broker.settings import QueueSettings
-from qflow.protocol.entries import ENTRY_HEAD, REDELIVERED_NO, Entry, seq_and_size, seq_of, total_size
+from qflow.protocol.entries import Entry, new_entry, seq_and_size, seq_of, total_size
 from qflow.protocol.ranges import RangeSet
-
-_entry_head = ENTRY_HEAD.pack
 
 
 class CarriedHolder(Protocol):
@@ -146,7 +144,7 @@ class Queue:
         once the transfer is closed."""
         seq = self.next_seq
         self.next_seq = seq + 1
-        self.entries.append(_entry_head(REDELIVERED_NO, 0xCF, seq, 0xCF, size) + tail)
+        self.entries.append(new_entry(seq, size, tail))
         self.count += 1
         self.nbytes += size
         if self.consumers or self.browsers:

@@ -34,6 +34,7 @@ import msgpack
 Entry = bytes
 ENTRY_HEAD = Struct(">BBQBQ")  # pack(REDELIVERED_NO, 0xCF, seq, 0xCF, size)
 ENTRY_HEAD_SIZE = ENTRY_HEAD.size
+_pack_head = ENTRY_HEAD.pack
 REDELIVERED_NO, REDELIVERED_YES = 0xC2, 0xC3
 seq_and_size = Struct(">2xQxQ").unpack_from  # (seq, size) of an entry
 _SEQ = Struct(">2xQ").unpack_from
@@ -47,8 +48,33 @@ def message_size(tail_len: int, body_len: int) -> int:
     return tail_len - (2 if body_len < 0x100 else 3 if body_len < 0x10000 else 5)
 
 
+def new_entry(seq: int, size: int, tail: bytes, redelivered: bool = False) -> Entry:
+    """The entry of message ``seq`` of ``size`` bytes whose encoding after the head is ``tail``."""
+    return _pack_head(REDELIVERED_YES if redelivered else REDELIVERED_NO, 0xCF, seq, 0xCF, size) + tail
+
+
 def seq_of(entry: Entry) -> int:
     return _SEQ(entry)[0]
+
+
+def str_end(entry: Entry, pos: int) -> int:
+    """Where the msgpack str at ``pos`` of ``entry`` ends (the exchange's or the routing key's)."""
+    b = entry[pos]
+    if 0xA0 <= b <= 0xBF:
+        return pos + 1 + (b & 0x1F)
+    if b == 0xD9:
+        return pos + 2 + entry[pos + 1]
+    if b == 0xDA:
+        return pos + 3 + int.from_bytes(entry[pos + 1:pos + 3], "big")
+    if b == 0xDB:
+        return pos + 5 + int.from_bytes(entry[pos + 1:pos + 5], "big")
+    raise ValueError(f"entry: byte {pos} is 0x{b:02x}, not a str")
+
+
+def properties_at(entry: Entry) -> int:
+    """Where ``entry``'s properties (a msgpack map, or nil) begin: after its exchange and routing key,
+    found without decoding anything."""
+    return str_end(entry, str_end(entry, ENTRY_HEAD_SIZE))
 
 
 def redelivered(entry: Entry) -> Entry:

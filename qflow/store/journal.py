@@ -72,7 +72,7 @@ from pathlib import Path
 
 from qflow._journal_native import ffi as _ffi
 from qflow._journal_native import lib as _lib
-from qflow.protocol.entries import ENTRY_HEAD, ENTRY_HEAD_SIZE, REDELIVERED_YES, Entry, seq_and_size
+from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, new_entry, seq_and_size
 from qflow.store.datadir import fsync_dir
 
 log = logging.getLogger("qflow.store")
@@ -94,7 +94,6 @@ _SECTION = struct.Struct("<BI")
 _BODY = struct.Struct("<QI")
 _ENQ = struct.Struct("<IQI")
 _DEQ = struct.Struct("<IQ")
-_entry_head = ENTRY_HEAD.pack
 _ABSENT = object()
 _seq_tuple = struct.Struct(">2xQ").unpack_from  # (seq,) of an entry: map()ped with no Python call per entry
 
@@ -829,7 +828,7 @@ def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[in
             for qi, seq, bi in items:
                 size, tail = heads[bi][0], tails[bi]
                 state.setdefault(names[qi], {})[seq] = (
-                    number, _entry_head(REDELIVERED_YES, 0xCF, seq, 0xCF, size) + tail)
+                    number, new_entry(seq, size, tail, redelivered=True))
         elif op == REC_DEQUEUE:
             for qi, seq in items:
                 state.get(names[qi], {}).pop(seq, None)

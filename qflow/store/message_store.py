@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, scan_entries, seq_of
+from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, properties_at, scan_entries, seq_of
 from qflow.store.journal import Batch, Journal
 from qflow.store.quota import QuotaLimits, StoreQuota
 
@@ -50,20 +50,6 @@ _ONLY_DURABLE = msgpack.packb({"durable": True})
 _seq_tuple = struct.Struct(">2xQ").unpack_from  # (seq,) of an entry: map()ped with no Python call per entry
 
 
-def _str_end(entry: Entry, pos: int) -> int:
-    """Where the msgpack str at ``pos`` ends."""
-    b = entry[pos]
-    if 0xA0 <= b <= 0xBF:
-        return pos + 1 + (b & 0x1F)
-    if b == 0xD9:
-        return pos + 2 + entry[pos + 1]
-    if b == 0xDA:
-        return pos + 3 + int.from_bytes(entry[pos + 1:pos + 3], "big")
-    if b == 0xDB:
-        return pos + 5 + int.from_bytes(entry[pos + 1:pos + 5], "big")
-    raise ValueError(f"entry: byte {pos} is 0x{b:02x}, not a str")
-
-
 def is_persistent(entry: Entry) -> bool:
     """Whether the message stored as ``entry`` has the property ``"durable": true``.
     The properties map is found without decoding anything else (it lies between
@@ -71,7 +57,7 @@ def is_persistent(entry: Entry) -> bool:
     mentions ``durable``: a transient message costs two length reads, a scan
     for its body and a substring search; what a durable sender sends, two
     length reads and one comparison."""
-    props = _str_end(entry, _str_end(entry, ENTRY_HEAD_SIZE))
+    props = properties_at(entry)
     if entry[props] == 0xC0:  # nil: no properties
         return False
     if entry.startswith(_ONLY_DURABLE, props):
@@ -288,7 +274,7 @@ class MessageStore:
             return True
         if not is_persistent(entry):
             return False
-        props = _str_end(entry, _str_end(entry, ENTRY_HEAD_SIZE))
+        props = properties_at(entry)
         if entry.startswith(_ONLY_DURABLE, props):
             self._persistent_head = entry[ENTRY_HEAD_SIZE:props + len(_ONLY_DURABLE)]
         return True
