@@ -50,7 +50,7 @@ MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions 
 
 # The most messages one step of a long command handles (purge, delete, remove-through, an
 # accept or release of many deliveries, a detach's put-back): between two steps the server
-# serves every other connection (issue 17; docs/architecture.md, "No unbounded work in one step").
+# serves every other connection (docs/architecture.md, "No unbounded work in one step").
 SLICE = 10_000
 
 Steps = Generator[None, None, int]  # a long command's steps; its value is the command's count

@@ -33,7 +33,7 @@ change_log = logging.getLogger("qflow.management")
 
 NO_COMPLETE = object()  # a handler's result: the command completes later (execution.sync)
 
-# Bounds on the work one command may ask for (issue 17): past them the command is
+# Bounds on the work one command may ask for: past them the command is
 # refused with RESOURCE_LIMIT_EXCEEDED, and the session, its connection and the
 # broker carry on. A client never needs more: its receivers accept consecutive
 # deliveries as one range, and its senders wait for each sync.

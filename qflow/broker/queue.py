@@ -235,7 +235,7 @@ class Queue:
         order. Only the available entries older than the newest returned one
         are merged with them (those were put back earlier: a delivery takes
         the oldest), so a session's close costs per message it returns, not
-        per message it returns times the queue's depth (issue 17)."""
+        per message it returns times the queue's depth."""
         if not returned:
             return
         self.ready[self] = None

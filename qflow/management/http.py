@@ -41,8 +41,8 @@ MAX_TARGET = 8 * 1024  # bytes of request target: a name is at most 255 bytes, 7
 MAX_HEADERS = 64
 MAX_CONNECTIONS = 64
 # Connections one client (peer address) may have at once: a client holding unfinished
-# requests open, renewed as they time out, takes at most these slots, never them all
-# (issue 17). Its next one is answered 429, as RabbitMQ's and nginx's per-client limits do.
+# requests open, renewed as they time out, takes at most these slots, never them all.
+# Its next one is answered 429, as RabbitMQ's and nginx's per-client limits do.
 MAX_PER_CLIENT = 8
 # Event streams (the web console's GET /api/events) are long-lived connections, counted in the
 # limits above like any other, and limited again so they can never take a client's or the server's

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 
 # The most ranges one command may carry (message.accept, message.release,
 # queue.remove-sequences) or one queue.available answer may hold: the broker
-# refuses more (issue 17), and the client splits what it sends to fit.
+# refuses more, and the client splits what it sends to fit.
 MAX_RANGES = 10_000
 
 
@@ -42,7 +42,7 @@ class RangeSet:
             previous = first
         if not ordered:
             # Merged in order, every range is added at the end: O(n log n) for a set sent in
-            # any order, where adding each in the middle would cost O(n) apiece (issue 17).
+            # any order, where adding each in the middle would cost O(n) apiece.
             pairs.sort()
         for first, last in pairs:
             rs.add_range(first, last)

@@ -1,5 +1,5 @@
 """The durable store's committer task: group commit with the sync off the
-event loop (issue 14, docs/store.md "Group commit, on the loop and off it").
+event loop (docs/store.md "Group commit, on the loop and off it").
 
 One commit is in flight at a time; whatever the broker stages while a sync
 runs goes into the next one, so the sync rate follows the disk by itself.

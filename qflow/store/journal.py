@@ -1,4 +1,4 @@
-"""The message journal of the durable store (issue 14, docs/store.md). No trio.
+"""The message journal of the durable store (docs/store.md). No trio.
 
 An append-only journal of segment files, one crc32-checksummed record per
 batch of work. The event loop *stages* enqueues, dequeues and queue deletions;

@@ -1,4 +1,4 @@
-"""The durable store's disk quota: overfull and underfull (issue 14). No I/O.
+"""The durable store's disk quota: overfull and underfull. No I/O.
 
 The rule, as the Qpid Java broker manual states it ("Disk quota-based flow
 control", /work/shared/reference/qpid-java-broker-producer-flow-control.md):

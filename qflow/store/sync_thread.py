@@ -1,4 +1,4 @@
-"""The journal's native sync thread (issue 14, docs/store.md "Group commit, on
+"""The journal's native sync thread (docs/store.md "Group commit, on
 the loop and off it"). No trio: the server's store task waits on
 :attr:`SyncThread.event_fd` with its event loop.
 
