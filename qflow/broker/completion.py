@@ -49,18 +49,9 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
+import qflow.broker.ops as ops
 from qflow.broker.oplog import LoggedRun, OpLog
-from qflow.broker.ops import (
-    OP_RELEASE,
-    Accounting,
-    AccountingError,
-    CompletedRange,
-    Hold,
-    Transition,
-    generation_of,
-    next_generation,
-    pack_op,
-)
+from qflow.broker.ops import OP_RELEASE, generation_of, next_generation, pack_op
 from qflow.broker.queue import Queue
 from qflow.broker.settings import QueueSettings, describe_transition
 from qflow.protocol.entries import Entry
@@ -252,7 +243,7 @@ class Completion:
     the order it happens; ``holder`` says whether ``name`` is an outside
     holder's (else a queue's)."""
 
-    def __init__(self, accounting: Accounting, oplog: OpLog, tell: Tell) -> None:
+    def __init__(self, accounting: ops.Accounting, oplog: OpLog, tell: Tell) -> None:
         self.acct = accounting
         self.oplog = oplog
         self.tell = tell
@@ -277,7 +268,7 @@ class Completion:
         """``q`` is the queue of its slot from now on."""
         self.queues[q.slot] = q
 
-    def remove_queue(self, q: Queue) -> list[CompletedRange]:
+    def remove_queue(self, q: Queue) -> list[ops.CompletedRange]:
         """The queue is gone: its held transfers are no longer held by it."""
         completions = self.apply()
         del self.queues[q.slot]
@@ -286,7 +277,7 @@ class Completion:
         del self.oplog.held[q.slot]
         return completions + self.acct.remove_queue(q.slot)
 
-    def set_thresholds(self, q: Queue, settings: QueueSettings) -> list[CompletedRange]:
+    def set_thresholds(self, q: Queue, settings: QueueSettings) -> list[ops.CompletedRange]:
         """New thresholds for a live queue: its flow state is re-evaluated now."""
         completions = self.apply()
         more, transitions = self.acct.set_thresholds(
@@ -314,7 +305,7 @@ class Completion:
         self.holders[holder.slot] = holder
         return holder
 
-    def remove_holder(self, holder: Holder) -> list[CompletedRange]:
+    def remove_holder(self, holder: Holder) -> list[ops.CompletedRange]:
         """The holder is gone: no queue carries it any more, and every transfer it
         holds is held by it no more. The log is applied first (its holds and
         releases take effect); returns the completed command ranges."""
@@ -397,7 +388,7 @@ class Completion:
         self.acct.drop_session(slot)
 
     # -- the batch ----------------------------------------------------------------
-    def apply(self) -> list[CompletedRange]:
+    def apply(self) -> list[ops.CompletedRange]:
         """Run the op log; returns the completed command ranges (session slot, first, last)."""
         if not self.oplog:
             return []
@@ -406,7 +397,7 @@ class Completion:
             self._tell_unheld()
         try:
             completions, holds, transitions = self.acct.apply(ops)
-        except AccountingError:
+        except ops.AccountingError:
             log.exception("accounting refused an op: this is a broker bug")
             return []
         # Transitions first: a resume in this log lets go every hold made before it, and
@@ -417,7 +408,7 @@ class Completion:
             self._hold(holds, seqs, runs)
         return completions
 
-    def _hold(self, holds: Sequence[Hold], seqs: list[Any], runs: list[LoggedRun]) -> None:
+    def _hold(self, holds: Sequence[ops.Hold], seqs: list[Any], runs: list[LoggedRun]) -> None:
         """Record the holds of an applied log: each queue's tokens and held sessions
         (a session is told when a queue first holds it), or an outside holder's arrivals."""
         queues, sessions, all_holds = self.queues, self.sessions, self.holds
@@ -462,7 +453,7 @@ class Completion:
         for holder in woken:
             holder.wake()
 
-    def _runs_only(self, holds: Sequence[Hold], seqs: list[Any], runs: list[LoggedRun]) -> bool:
+    def _runs_only(self, holds: Sequence[ops.Hold], seqs: list[Any], runs: list[LoggedRun]) -> bool:
         """The usual input of durable queues: every hold is an OP_HOLD of
         ``runs``, all of one unnamed outside holder. Then it gets one uniform
         run per run of the log (Holder.take_runs) and this returns True; else
@@ -502,7 +493,7 @@ class Completion:
         return True
 
     @staticmethod
-    def _one_holder(holds: Sequence[Hold]) -> bool:
+    def _one_holder(holds: Sequence[ops.Hold]) -> bool:
         """Whether every hold of ``holds`` has the first one's slot."""
         slots = list(map(_slot_of, holds))
         return slots.count(slots[0]) == len(slots)
@@ -516,7 +507,7 @@ class Completion:
                 continue
             self.tell(ssn, self.queues[qholds.slot].name, False, False)
 
-    def _transitions(self, transitions: list[Transition], settings: QueueSettings | None) -> None:
+    def _transitions(self, transitions: list[ops.Transition], settings: QueueSettings | None) -> None:
         for queue_slot, flow_on, count, nbytes in transitions:
             q = self.queues[queue_slot]
             log.info(describe_transition(printable(q.name), settings or q.settings, flow_on, count, nbytes))

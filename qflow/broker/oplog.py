@@ -26,18 +26,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from qflow.broker.ops import (
-    OP_DEQUEUE,
-    OP_DEQUEUE_N,
-    OP_END,
-    OP_ENQUEUE,
-    OP_HOLD,
-    OP_RELEASE,
-    OP_TRANSFER,
-    OP_TRANSFER1,
-    OP_WORDS,
-    pack_op,
-)
+import qflow.broker.ops as ops
+from qflow.broker.ops import OP_WORDS, pack_op
 from qflow.protocol.entries import Entry, seq_and_size
 
 # (first op index, op count, queue) of a run whose OP_HOLDs carry bare entries of that queue
@@ -84,29 +74,29 @@ class OpLog:
     def transfer1(self, session: int, command_id: int, queue: int, size: int, seq: int) -> None:
         """The whole transfer ``command_id`` of ``session``, to one queue: its message ``seq`` of ``size`` bytes."""
         self.seqs.append(seq)
-        self.ops += pack_op(OP_TRANSFER1, session, command_id, queue, size)
+        self.ops += pack_op(ops.OP_TRANSFER1, session, command_id, queue, size)
 
     def open_transfer(self, session: int, command_id: int) -> None:
         """Transfer ``command_id`` of ``session`` begins: its enqueues and holds follow, then :meth:`close_transfer`."""
         self.seqs.append(None)
-        self.ops += pack_op(OP_TRANSFER, session, command_id, 0, 0)
+        self.ops += pack_op(ops.OP_TRANSFER, session, command_id, 0, 0)
 
     def enqueue(self, queue: int, size: int, seq: int) -> None:
         """Message ``seq`` of ``size`` bytes enqueued on ``queue``: in the open transfer, or outside any
         (a message recovered by the store)."""
         self.seqs.append(seq)
-        self.ops += pack_op(OP_ENQUEUE, queue, size, 0, 0)
+        self.ops += pack_op(ops.OP_ENQUEUE, queue, size, 0, 0)
 
     def hold(self, holder: int, messages: tuple[tuple[Any, Entry], ...]) -> None:
         """In the open transfer, after its enqueues: outside holder ``holder`` holds it, for
         ``messages`` (the ``(queue, entry)`` of each of its queues that carries the holder)."""
         self.seqs.append(messages)
-        self.ops += pack_op(OP_HOLD, holder, 0, 0, 0)
+        self.ops += pack_op(ops.OP_HOLD, holder, 0, 0, 0)
 
     def close_transfer(self) -> None:
         """The open transfer is routed: its routing hold is let go."""
         self.seqs.append(None)
-        self.ops += pack_op(OP_END, 0, 0, 0, 0)
+        self.ops += pack_op(ops.OP_END, 0, 0, 0, 0)
 
     def add_run(self, ops: Any, first_seq: int, count: int) -> None:
         """A run of ``count`` transfers to one queue, written by the transfer scanner (``ops``:
@@ -148,7 +138,7 @@ class OpLog:
         """``entry`` left ``queue`` for good; the hold the queue has on its transfer, if any, goes with it."""
         seq, size = seq_and_size(entry)
         self.seqs.append(None)
-        self.ops += pack_op(OP_DEQUEUE, queue, size, self.held[queue].release_token(seq), 0)
+        self.ops += pack_op(ops.OP_DEQUEUE, queue, size, self.held[queue].release_token(seq), 0)
 
     def dequeue_many(self, queue: int, entries: Sequence[Entry], nbytes: int) -> None:
         """``entries`` (``nbytes`` in all) left ``queue`` for good: those whose transfer the queue
@@ -161,29 +151,30 @@ class OpLog:
                 seq, size = seq_and_size(entry)
                 if seq in tokens:
                     self.seqs.append(None)
-                    self.ops += pack_op(OP_DEQUEUE, queue, size, held.release_token(seq), 0)
+                    self.ops += pack_op(ops.OP_DEQUEUE, queue, size, held.release_token(seq), 0)
                     n -= 1
                     nbytes -= size
         if n:
             self.seqs.append(None)
-            self.ops += pack_op(OP_DEQUEUE_N, queue, nbytes, n, 0)
+            self.ops += pack_op(ops.OP_DEQUEUE_N, queue, nbytes, n, 0)
 
     # -- outside holders ------------------------------------------------------------
     def release(self, holder: int, tokens: array) -> None:
         """Outside holder ``holder`` lets go of ``tokens`` (an int64 column): one OP_RELEASE each."""
         # Built column by column: no Python call per token (the store releases a whole commit at once).
         n = len(tokens)
-        ops = array("q", bytes(8 * OP_WORDS * n))
-        ops[0::OP_WORDS] = array("q", (OP_RELEASE,)) * n
-        ops[1::OP_WORDS] = array("q", (holder,)) * n
-        ops[2::OP_WORDS] = tokens
-        self.ops += ops
+        releases = array("q", bytes(8 * OP_WORDS * n))
+        releases[0::OP_WORDS] = array("q", (ops.OP_RELEASE,)) * n
+        releases[1::OP_WORDS] = array("q", (holder,)) * n
+        releases[2::OP_WORDS] = tokens
+        self.ops += releases
         self.seqs += [None] * n
 
     def released_by(self, holder: int) -> set[int]:
         """The tokens ``holder`` has let go of in this log."""
-        ops = memoryview(self.ops).cast("q")
-        return {ops[i + 2] for i in range(0, len(ops), OP_WORDS) if ops[i] == OP_RELEASE and ops[i + 1] == holder}
+        words = memoryview(self.ops).cast("q")
+        return {words[i + 2] for i in range(0, len(words), OP_WORDS)
+                if words[i] == ops.OP_RELEASE and words[i + 1] == holder}
 
     def op_codes(self) -> list[int]:
         """The op code of each op logged so far (tests and diagnostics)."""
