@@ -30,8 +30,8 @@ Rules of this file
 Theory of operation
 -------------------
 A server starts in AWAIT_OPEN: its decoder expects the protocol header, then
-``connection.open``. The open is checked (every field) and answered with ``connection.open-ok``; the connection is
-then OPEN and the :class:`Opened` event carries the negotiated values. A
+``connection.open``. The open is checked (every field) and answered with
+``connection.open-ok``; the connection is then OPEN and the :class:`Opened` event carries the negotiated values. A
 client starts in OPENING, having written the header and its open; the
 open-ok moves it to OPEN with the same event.
 
