@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--flow-resume-count", type=non_negative, metavar="N",
                    help="flow control ends below N messages (qpid.flow_resume_count)")
     q.add_argument("--argument", action="append", default=[], metavar="KEY=VALUE",
-                   help="any queue argument; a whole-number VALUE is sent as a number (repeatable)")
+                   help="a queue (or exchange) argument; a whole-number VALUE is sent as a number (repeatable)")
     d = p.add_argument_group("delete options (del queue)")
     d.add_argument("--force", action="store_true", help="delete even if the queue is in use or not empty")
     d.add_argument("--force-if-not-empty", action="store_true", help="delete even if the queue is not empty")
@@ -178,7 +178,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, api: Manageme
             return None
         if cmd == "add":
             _need(parser, rest, 2, 2, "add exchange TYPE NAME")
-            api.request("PUT", name_path("/api/exchanges", rest[1]), {"type": rest[0], "durable": args.durable})
+            body = {"type": rest[0], "durable": args.durable}
+            if args.argument:  # qflow's exchanges take none: the broker says why it refuses each
+                body["arguments"] = queue_arguments(args, parser)
+            api.request("PUT", name_path("/api/exchanges", rest[1]), body)
         elif cmd == "del":
             _need(parser, rest, 1, 1, "del exchange NAME")
             api.request("DELETE", name_path("/api/exchanges", rest[0]))

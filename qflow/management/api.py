@@ -58,6 +58,7 @@ from qflow import __version__
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.acl import AclDenied, queue_request
+from qflow.broker.arguments import refuse_unsupported
 from qflow.broker.queue import Queue
 from qflow.management.console import SECURITY_HEADERS, asset
 from qflow.management.events import EventStream, Feed
@@ -500,6 +501,7 @@ class ManagementApi:
         durable = _get(fields, "durable", bool, False)
         auto_delete = _get(fields, "autoDelete", bool, False)
         arguments = _get(fields, "arguments", dict, {})
+        refuse_unsupported(f"queue.declare {name!r}", "queue", arguments)  # an existing queue's too
         self._allow("create", "queue", queue_request(name, arguments, durable=durable, autodelete=auto_delete,
                                                      exclusive=False))
         q = self.broker.queues.get(name)
@@ -563,9 +565,16 @@ class ManagementApi:
 
     def put_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        fields = _fields(parse_json_object(body), ("type", "durable"))
+        fields = _fields(parse_json_object(body), ("type", "durable", "arguments"))
         type_ = _get(fields, "type", str, required=True)
         durable = _get(fields, "durable", bool, False)
+        arguments = _get(fields, "arguments", dict, {})
+        # Exchanges take no arguments: those another broker acts on are refused by name, as for queues,
+        # and any other is refused too (there is nowhere to keep it).
+        refuse_unsupported(f"exchange.declare {name!r}", "exchange", arguments)
+        if arguments:
+            raise ApiError(400, f"exchange {name!r}: qflow's exchanges take no arguments, got "
+                                f"{', '.join(map(repr, arguments))}")
         if name not in self.broker.exchanges:
             _check_new_name("exchange", name)
         self._allow("create", "exchange", {"name": name, "type": type_, "durable": durable})
