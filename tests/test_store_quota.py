@@ -369,7 +369,7 @@ async def test_a_persistent_sender_stops_while_the_store_is_overfull_and_resumes
                 assert broker["options"]["storeOverfullSize"] == 20000
                 assert broker["options"]["storeUnderfullSize"] == 8000
                 assert metrics(d)["qflow_store_overfull"] == 1
-                assert metrics(d)["qflow_store_overfull_total"] == 1
+                assert metrics(d)["qflow_store_overfull_events_total"] == 1
                 # A commit taken before the sender was full may still be syncing: it only adds. Once it is
                 # done nothing changes, and the counter the API and the metrics show is the files' size.
                 await wait_for("the metrics and the journal's files to show the store's size", lambda: (
@@ -514,7 +514,7 @@ def test_the_management_api_shows_the_store_and_no_store(tmp_path: Path) -> None
     text = with_store.handle("GET", b"/metrics").body.decode()
     assert f"\nqflow_store_size_bytes {store.journal.size_on_disk()}\n" in text
     assert "\nqflow_store_overfull 1\n" in text
-    assert "# TYPE qflow_store_overfull_total counter\nqflow_store_overfull_total 1\n" in text
+    assert "# TYPE qflow_store_overfull_events_total counter\nqflow_store_overfull_events_total 1\n" in text
     # Without a data directory there is no store: nothing on disk, never overfull.
     view = json.loads(ManagementApi(Harness().broker).handle("GET", b"/api/broker").body)
     assert (view["storeSize"], view["storeOverfull"], view["storeOverfullCount"]) == (0, False, 0)

@@ -63,7 +63,7 @@ from qflow.broker.queue import Queue
 from qflow.management.console import SECURITY_HEADERS, asset
 from qflow.management.events import EventStream, Feed
 from qflow.management.metrics import CONTENT_TYPE as METRICS_TYPE
-from qflow.management.metrics import render_metrics
+from qflow.management.metrics import OPENMETRICS_TYPE, render_metrics, wants_openmetrics
 from qflow.management.views import (
     binding_views,
     broker_view,
@@ -373,6 +373,7 @@ class ManagementApi:
         self.reload = reload_acl
         # Who asks, for the ACL: set by handle() for each request (synchronous: one request at a time).
         self.user = "anonymous"
+        self.accept = ""  # the request's Accept header: /metrics serves OpenMetrics if it asks for it
         self.server = server
         self.store = store
         self.memory = memory
@@ -384,23 +385,25 @@ class ManagementApi:
 
     # -- entry point ----------------------------------------------------------
     def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-               peer: str = "") -> Response | EventStream:
+               peer: str = "", accept: str = "") -> Response | EventStream:
         """Answer one request of ``user`` (checked against the ACL, if any).
         Never raises: refusals become 4xx responses. ``GET /api/events`` is
         answered with an EventStream, whose events the server writes. A change (any method but
         GET and HEAD) is logged at info with who asked (``peer``, the HTTP
-        client's address, and ``user``) and whether it was made or refused."""
-        response = self.handle_in_steps(method, target, body, user, peer)
+        client's address, and ``user``) and whether it was made or refused.
+        ``accept`` is the request's Accept header (``/metrics`` heeds it)."""
+        response = self.handle_in_steps(method, target, body, user, peer, accept)
         while type(response) is Pending:
             response = response.step() or response
         return response
 
     def handle_in_steps(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-                        peer: str = "") -> Response | Pending | EventStream:
+                        peer: str = "", accept: str = "") -> Response | Pending | EventStream:
         """As :meth:`handle`, but a purge or delete of a deep queue gives a
         :class:`Pending` whose steps the server runs, serving others between;
         the change is logged once its response is known."""
         self.user = user
+        self.accept = accept
         response = self._handle(method, target, body)
         if type(response) is Pending:
             response.answered = lambda done: self._log_change(method, target, body, user, peer, done)
@@ -743,8 +746,9 @@ class ManagementApi:
         self._no_query(query)
         self._allow("access", "broker", {})
         queues = queue_views(self.broker)  # built once: the totals and the per-queue samples share them
-        return Response(200, render_metrics(self.broker_view(queues), queues, exchange_views(self.broker)).encode(),
-                        METRICS_TYPE)
+        openmetrics = wants_openmetrics(self.accept)
+        text = render_metrics(self.broker_view(queues), queues, exchange_views(self.broker), openmetrics=openmetrics)
+        return Response(200, text.encode(), OPENMETRICS_TYPE if openmetrics else METRICS_TYPE)
 
 
 def _trio_now() -> float | None:
