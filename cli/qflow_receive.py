@@ -7,7 +7,7 @@ Prints each body on its own line (``--print-content yes``, the default).
 ``--report-total`` prints qpid-receive's columns: ``tp(m/s)``, and the
 latencies ``l-min l-max l-avg`` (ms, from the send time qflow-send and
 qpid-send put in the ``ts`` property to the arrival here) when the messages
-carry one.
+carry one (without, neither their header nor values).
 Exits 0 once N messages arrived (N = 0: no limit) or when nothing arrived
 for SECS seconds; every message it took is accepted (dequeued) before it
 exits. Exit 1 with the broker's message when the queue is refused or the
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     if args.report_total:  # qpid-receive's columns, tab-separated; the latencies only if messages had a ts
-        print("tp(m/s)\tl-min\tl-max\tl-avg")
+        print("tp(m/s)\tl-min\tl-max\tl-avg" if latency.samples else "tp(m/s)")
         print(f"{received / seconds if seconds > 0 else 0.0:.0f}{latency.columns()}")
     return 0
 
