@@ -95,7 +95,9 @@ def _convert(p: argparse.ArgumentParser, action: argparse.Action, name: str, tex
     try:
         value = action.type(text) if action.type is not None else text
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        p.error(f"{where}: bad value {text!r} for {name}: {exc}")
+        # Python's own texts ("invalid literal for int() with base 10") say nothing to an operator.
+        why = {int: "expected a whole number", float: "expected a number"}.get(action.type, str(exc))
+        p.error(f"{where}: bad value {text!r} for {name}: {why}")
     if action.choices is not None and value not in action.choices:
         p.error(f"{where}: {name} must be one of {', '.join(map(str, action.choices))}, not {text!r}")
     return value
