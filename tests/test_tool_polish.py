@@ -28,7 +28,7 @@ from tests.conftest import Daemon
 
 BIN = Path(sys.executable).parent
 DEADLINE = 60.0
-TOOLS = ("qflowd", "qflow-config", "qflow-stat", "qflow-send", "qflow-receive")
+TOOLS = ("qflowd", "qflow-config", "qflow-stat", "qflow-send", "qflow-receive", "qflow-passwd")
 
 
 def run(name: str, *args: str) -> subprocess.CompletedProcess[str]:
