@@ -246,7 +246,8 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
     options = connect_options(args, url) if args is not None else dict(url.credentials)
     context = options.pop("ssl_context", None)
     protocol = ProtocolConnection(Role.CLIENT, name=name, username=options.get("username"),
-                                  password=options.get("password") or "", mechanism=options.get("mechanism"))
+                                  password=options.get("password") or "", mechanism=options.get("mechanism"),
+                                  probe=True)  # the broker logs a probe at debug: one per tool run is noise
     try:
         sock = socket.create_connection((url.host, url.port), timeout=timeout)
     except OSError as exc:

@@ -109,7 +109,9 @@ class Connection:
             self._reader_scope.cancel()
 
     def _opened(self, event: Opened) -> None:
-        log.info("connection %s opened: name '%s', user '%s'", self.peer, printable(event.name), printable(event.user))
+        # A tool's probe (its management-port discovery) only connects: logged at debug, not info.
+        log.log(logging.DEBUG if event.probe else logging.INFO, "connection %s opened: name '%s', user '%s'%s",
+                self.peer, printable(event.name), printable(event.user), " (a probe)" if event.probe else "")
         if event.heartbeat:
             self._nursery.start_soon(self._send_heartbeats)
 
@@ -189,8 +191,8 @@ class Connection:
 
     def _log_closed(self, reason: str) -> None:
         # Before the open there is no name or user yet: the address says who it was.
-        log.info("connection %s closed: name '%s', user '%s': %s", self.peer, printable(self.protocol.name),
-                 printable(self.protocol.user or "-"), reason)
+        log.log(logging.DEBUG if self.protocol.probe else logging.INFO, "connection %s closed: name '%s', user '%s': %s",
+                self.peer, printable(self.protocol.name), printable(self.protocol.user or "-"), reason)
 
     async def _send_pending(self) -> None:
         try:
