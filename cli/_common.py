@@ -491,6 +491,20 @@ def _cell(value: Any) -> str:
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
+def human_bytes(n: int) -> str:
+    """A byte count short enough for a table column: 512B, 1.5K, 33.9M, 9.4G (K, M, G, T: powers of 1024)."""
+    if n < 1024:
+        return f"{n}B"
+    value = float(n)
+    for unit in "KMGT":
+        value /= 1024
+        if value < 1024 or unit == "T":
+            # Rounding may reach 1024.0 (1048575 bytes): the next unit then says it better.
+            if round(value, 1) < 1024 or unit == "T":
+                return f"{value:.1f}{unit}"
+    return f"{value:.1f}T"
+
+
 def duration(seconds: float | None) -> str:
     """12s, 3m04s, 2h05m, 3d04h: short enough for a table column."""
     if seconds is None:
