@@ -16,7 +16,8 @@ is addressable, ``/`` as ``%2F``)::
 
     GET    /api/queues                 GET|PUT|PATCH|DELETE /api/queues/{name}
     POST   /api/queues/{name}/purge    GET /api/exchanges    GET|PUT|DELETE /api/exchanges/{name}
-    GET|POST|DELETE /api/bindings      GET /api/connections  GET /api/broker    GET /metrics
+    GET|POST|DELETE /api/bindings      GET /api/connections  DELETE /api/connections/{peer}
+    GET    /api/broker                 GET /metrics
     POST   /api/acl/reload             GET /api (this list)
     GET    /  and  /console/{file}     the web console (qflow.management.console)
     GET    /api/events                 the console's live feed: server-sent events (qflow.management.events)
@@ -72,6 +73,7 @@ from qflow.management.views import (
     exchange_views,
     iso,
     jsonable,
+    live_connections,
     queue_view,
     queue_views,
     subscription_views,
@@ -282,6 +284,7 @@ _ROUTES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("POST", ("api", "bindings"), "add_binding"),
     ("DELETE", ("api", "bindings"), "delete_binding"),
     ("GET", ("api", "connections"), "list_connections"),
+    ("DELETE", ("api", "connections", "{}"), "delete_connection"),
     ("GET", ("api", "subscriptions"), "list_subscriptions"),
     ("GET", ("api", "broker"), "get_broker"),
     ("POST", ("api", "acl", "reload"), "reload_acl"),
@@ -631,6 +634,19 @@ class ManagementApi:
         if not self._may("access", "broker", {}):  # isolation: one's own connections only
             views = [v for v in views if v["user"] == self.user]
         return json_response(200, views)
+
+    def delete_connection(self, peer: str, *, query: dict[str, str], body: bytes) -> Response:
+        """Close the protocol connection whose ``peer`` (its client's address, as /api/connections
+        shows it) is given: the client gets connection.close 320 naming who closed it. Needs
+        ``update broker``; logged as every change is."""
+        self._no_query(query)
+        self._no_body(body)
+        self._allow("update", "broker", {})
+        conn = next((c for c in live_connections(self.server) if c.peer == peer), None)
+        if conn is None:
+            raise ApiError(404, f"connection {peer!r} not found (GET /api/connections names them by peer)")
+        conn.close_by_operator(f"closed by an operator (user '{printable(self.user)}', management API)")
+        return json_response(200, {"connection": peer, "closed": True})
 
     def list_subscriptions(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)

@@ -77,7 +77,7 @@ class Connection:
         self._writer_scope = trio.CancelScope(shield=True)
         self._reader_scope = trio.CancelScope()
         self.budget = budget
-        self.evicted: str | None = None  # why the input budget closed this connection
+        self.evicted: str | None = None  # why the broker closed this connection (the input budget, an operator)
 
     # The negotiated values, as the management API reads them.
     name = _negotiated("name")
@@ -106,6 +106,16 @@ class Connection:
         if self.evicted is None:
             self.evicted = reason
             self.protocol.close(P.RESOURCE_LIMIT_EXCEEDED, reason)
+            self._reader_scope.cancel()
+
+    def close_by_operator(self, reason: str) -> None:
+        """Close this connection at an operator's request (the management API):
+        the client is told ``reason`` with CONNECTION_FORCED (320), the close is
+        logged with it, and its sessions close as on any other end (deliveries
+        not accepted go back to their queues)."""
+        if self.evicted is None:
+            self.evicted = reason
+            self.protocol.close(P.CONNECTION_FORCED, reason)
             self._reader_scope.cancel()
 
     def _opened(self, event: Opened) -> None:
