@@ -1,12 +1,16 @@
-# Two commands do all the setup on a fresh machine: `make run` and `make test`.
+# Two commands do all the setup on a fresh machine: `make run` (the broker and its tools) and
+# `make test` (those plus the test extras: pytest, Spark, Playwright, and Debian's chromium).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 HOST ?= 127.0.0.1
 PORT ?= 5672
 MGMT_PORT ?= 8672
+# make run DATA_DIR=DIR: qflowd's --data-dir (default: ~/.qflowd), e.g. for a second broker beside the first
+DATA_DIR ?=
 
 .PHONY: run test test-repeat fuzz install lint bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
 
@@ -15,10 +19,27 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Reinstall when the packaging or the C sources change.
-$(STAMP): $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py) native/shared_header.py qflow/broker/ops.py
+# native/qflow_shared.h is written from qflow/broker/ops.py at build time (native/shared_header.py).
+INSTALL_DEPS := $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py) \
+	native/shared_header.py qflow/broker/ops.py
+CHECK_NATIVE := $(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native"
+
+# The test install: qflow with the extra test (pytest, prometheus_client, pyspark, playwright...).
+$(STAMP): $(INSTALL_DEPS)
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native"
+	$(CHECK_NATIVE)
 	touch $(STAMP)
+
+# The broker's install: qflow and its tools, no extras. A test install at least as new as the
+# packaging has it all already: then nothing is installed.
+$(RUN_STAMP): $(INSTALL_DEPS)
+	@if [ -f $(STAMP) ] && [ -z "$$(find $(filter-out $(PY),$^) -newer $(STAMP))" ]; then \
+		echo "$(STAMP) is up to date: the test install includes the broker's"; \
+	else \
+		echo "$(PY) -m pip install --quiet -e ."; \
+		$(PY) -m pip install --quiet -e . && $(CHECK_NATIVE); \
+	fi
+	touch $(RUN_STAMP)
 
 # The browser the cross-origin test drives (tests/test_browser_attack.py): Debian's chromium, installed
 # with apt-get (as root) when missing; Playwright's own browser download is never used.
@@ -27,10 +48,10 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
-install: $(STAMP) | $(CHROMIUM)
+install: $(RUN_STAMP)
 
-run: $(STAMP)
-	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT) --mgmt-port $(MGMT_PORT)
+run: $(RUN_STAMP)
+	$(VENV)/bin/qflowd --host $(HOST) --port $(PORT) --mgmt-port $(MGMT_PORT)$(if $(DATA_DIR), --data-dir '$(DATA_DIR)')
 
 # The benchmarks' smoke run first (so they never rot), then the whole suite once
 # per accounting implementation; pytest's summary is the last line.

@@ -246,7 +246,8 @@ def discover_management(url: BrokerUrl, timeout: float, name: str,
     options = connect_options(args, url) if args is not None else dict(url.credentials)
     context = options.pop("ssl_context", None)
     protocol = ProtocolConnection(Role.CLIENT, name=name, username=options.get("username"),
-                                  password=options.get("password") or "", mechanism=options.get("mechanism"))
+                                  password=options.get("password") or "", mechanism=options.get("mechanism"),
+                                  probe=True)  # the broker logs a probe at debug: one per tool run is noise
     try:
         sock = socket.create_connection((url.host, url.port), timeout=timeout)
     except OSError as exc:
@@ -488,6 +489,20 @@ def _cell(value: Any) -> str:
     text = str(value)
     # A queue name may hold control characters: never let one move the cursor.
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def human_bytes(n: int) -> str:
+    """A byte count short enough for a table column: 512B, 1.5K, 33.9M, 9.4G (K, M, G, T: powers of 1024)."""
+    if n < 1024:
+        return f"{n}B"
+    value = float(n)
+    for unit in "KMGT":
+        value /= 1024
+        if value < 1024 or unit == "T":
+            # Rounding may reach 1024.0 (1048575 bytes): the next unit then says it better.
+            if round(value, 1) < 1024 or unit == "T":
+                return f"{value:.1f}{unit}"
+    return f"{value:.1f}T"
 
 
 def duration(seconds: float | None) -> str:

@@ -16,6 +16,7 @@ bindings through qflowd's management API, as qpid-config does for qpidd.
     qflow-config unbind EXCHANGE QUEUE [KEY]
     qflow-config reload-acl                              read qflowd's --acl-file again
     qflow-config log-level [LEVEL]                       show, or change at run time, qflowd's log level
+    qflow-config close-connection PEER                   close a client's connection (PEER as qflow-stat -c shows it)
 
 -b is the broker's address, as for qflow-send (default localhost:5672): the
 management API's port is learnt from the broker, or given with --mgmt-url.
@@ -71,7 +72,8 @@ USAGE = """qflow-config [OPTIONS]
        qflow-config [OPTIONS] bind EXCHANGE QUEUE [KEY]
        qflow-config [OPTIONS] unbind EXCHANGE QUEUE [KEY]
        qflow-config [OPTIONS] reload-acl
-       qflow-config [OPTIONS] log-level [debug|info|warning|error]"""
+       qflow-config [OPTIONS] log-level [debug|info|warning|error]
+       qflow-config [OPTIONS] close-connection PEER"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--flow-resume-count", type=non_negative, metavar="N",
                    help="flow control ends below N messages (qpid.flow_resume_count)")
     q.add_argument("--argument", action="append", default=[], metavar="KEY=VALUE",
-                   help="any queue argument; a whole-number VALUE is sent as a number (repeatable)")
+                   help="a queue (or exchange) argument; a whole-number VALUE is sent as a number (repeatable)")
     d = p.add_argument_group("delete options (del queue)")
     d.add_argument("--force", action="store_true", help="delete even if the queue is in use or not empty")
     d.add_argument("--force-if-not-empty", action="store_true", help="delete even if the queue is not empty")
@@ -178,7 +180,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, api: Manageme
             return None
         if cmd == "add":
             _need(parser, rest, 2, 2, "add exchange TYPE NAME")
-            api.request("PUT", name_path("/api/exchanges", rest[1]), {"type": rest[0], "durable": args.durable})
+            body = {"type": rest[0], "durable": args.durable}
+            if args.argument:  # qflow's exchanges take none: the broker says why it refuses each
+                body["arguments"] = queue_arguments(args, parser)
+            api.request("PUT", name_path("/api/exchanges", rest[1]), body)
         elif cmd == "del":
             _need(parser, rest, 1, 1, "del exchange NAME")
             api.request("DELETE", name_path("/api/exchanges", rest[0]))
@@ -196,6 +201,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, api: Manageme
         _need(parser, rest, 2, 3, f"{cmd} EXCHANGE QUEUE [KEY]")
         body = {"exchange": rest[0], "queue": rest[1], "key": rest[2] if len(rest) > 2 else ""}
         api.request("POST" if cmd == "bind" else "DELETE", "/api/bindings", body)
+        return None
+    if cmd == "close-connection":
+        _need(parser, rest, 1, 1, "close-connection PEER (the client's address, as qflow-stat -c shows it)")
+        api.request("DELETE", name_path("/api/connections", rest[0]))
         return None
     if cmd == "reload-acl":
         _need(parser, rest, 0, 0, "reload-acl")

@@ -18,6 +18,8 @@ import argparse
 import getpass
 import sys
 
+from qflow.cli._common import add_tool_options
+
 from qflow.auth.users_file import SaslDb, SaslDbError, check_user_name
 from qflow.protocol.sasl import DEFAULT_ITERATIONS, MAX_ITERATIONS, MIN_ITERATIONS, make_verifier
 
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=_iterations, default=DEFAULT_ITERATIONS,
                    help=f"PBKDF2 rounds of the new verifier (default {DEFAULT_ITERATIONS})")
     p.add_argument("user")
+    add_tool_options(p)  # --version and --print-completion, as on every tool
     args = p.parse_args(argv)
     try:
         check_user_name(args.user)

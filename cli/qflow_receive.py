@@ -1,13 +1,17 @@
 """qflow-receive: receive messages from a qflow queue, as qpid-receive does from qpidd.
 
     qflow-receive -b HOST:PORT -a QUEUE [--messages N] [--timeout SECS | --forever]
-                  [--print-content yes|no] [--capacity N] [--ack-frequency N] [--report-total]
+                  [--print-content yes|no] [--print-headers [yes|no]] [--browse]
+                  [--capacity N] [--ack-frequency N] [--report-total]
 
-Prints each body on its own line (``--print-content yes``, the default).
+Prints each body on its own line (``--print-content yes``, the default);
+``--print-headers`` prints each message's headers before it, as
+qpid-receive does. ``--browse``, or Qpid's address option ``-a 'QUEUE;
+{mode: browse}'``, reads without removing: the messages stay on the queue.
 ``--report-total`` prints qpid-receive's columns: ``tp(m/s)``, and the
 latencies ``l-min l-max l-avg`` (ms, from the send time qflow-send and
 qpid-send put in the ``ts`` property to the arrival here) when the messages
-carry one.
+carry one (without, neither their header nor values).
 Exits 0 once N messages arrived (N = 0: no limit) or when nothing arrived
 for SECS seconds; every message it took is accepted (dequeued) before it
 exits. Exit 1 with the broker's message when the queue is refused or the
@@ -17,6 +21,7 @@ broker cannot be reached; 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -25,6 +30,7 @@ from typing import Any
 import trio
 
 import qflow
+from qflow.protocol.names import printable
 
 from ._common import (
     PROGRESS_MIN,
@@ -39,6 +45,7 @@ from ._common import (
     seconds_or_zero,
     yes_no,
 )
+from ._qpid_address import AddressOptionsError, parse_qpid_address
 
 PROG = "qflow-receive"
 
@@ -46,7 +53,8 @@ PROG = "qflow-receive"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Receive messages from a qflow queue.")
     add_broker_option(p)
-    p.add_argument("-a", "--address", required=True, metavar="QUEUE", help="the queue to receive from")
+    p.add_argument("-a", "--address", required=True, metavar="QUEUE",
+                   help="the queue to receive from; Qpid's 'QUEUE; {mode: browse}' browses it")
     p.add_argument("-m", "--messages", type=non_negative, default=0, metavar="N",
                    help="stop after N messages (default 0: no limit)")
     wait = p.add_mutually_exclusive_group()
@@ -60,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "one message at a time)")
     p.add_argument("--ack-frequency", type=positive, default=100, metavar="N",
                    help="accept received messages in batches of N (default 100)")
+    p.add_argument("--print-headers", type=yes_no, nargs="?", const=True, default=False, metavar="yes|no",
+                   help="print each message's headers (routing key, ids, properties...) before its body")
+    p.add_argument("--browse", action="store_true",
+                   help="read without removing: the messages stay on the queue (Qpid's {mode: browse})")
     p.add_argument("--report-total", action="store_true", help="print the totals and the throughput at the end")
     add_connection_options(p, PROG)
     return p
@@ -94,6 +106,21 @@ class Latency:
         return f"\t{self.low:.2f}\t{self.high:.2f}\t{self.total / self.samples:.2f}"
 
 
+def headers_text(msg: qflow.ReceivedMessage) -> str:
+    """A message's headers as --print-headers shows them: one ``Name: value`` a line, those that
+    are set, the application properties last (as JSON, or their repr if JSON cannot hold them)."""
+    lines = [("Exchange", msg.exchange), ("RoutingKey", msg.routing_key), ("MessageId", msg.message_id),
+             ("CorrelationId", msg.correlation_id), ("ContentType", msg.content_type),
+             ("Durable", "true" if msg.durable else None), ("Redelivered", "true" if msg.redelivered else None),
+             ("Sequence", msg.sequence)]
+    out = "".join(f"{name}: {printable(str(value))}\n" for name, value in lines if value not in (None, ""))
+    try:
+        properties = json.dumps(msg.headers, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        properties = repr(msg.headers)
+    return out + f"Properties: {printable(properties)}\n"
+
+
 async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any],
                   latency: Latency) -> tuple[int, int, float]:
     """Receive until done; returns (messages, bytes, seconds from the first message to the last)."""
@@ -104,8 +131,8 @@ async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, A
     async with qflow.open_connection(url.host, url.port, name=args.connection_name, **options) as conn:
         ssn = await conn.session()
         capacity = args.capacity or 1  # Qpid's capacity 0: no prefetch beyond the message being fetched
-        receiver = await ssn.receiver(args.address, capacity=capacity, accept="auto",
-                                      ack_frequency=min(args.ack_frequency, capacity))
+        receiver = await ssn.receiver(args.queue, capacity=capacity, accept="auto",
+                                      ack_frequency=min(args.ack_frequency, capacity), browse=args.browse)
         limit = args.messages
         timeout = None if args.forever or args.timeout == 0 else args.timeout
         bar = progress_bar(limit or None, PROG, not args.print_content and (limit == 0 or limit >= PROGRESS_MIN))
@@ -125,6 +152,8 @@ async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, A
                 nbytes += len(msg.body)
                 if report:
                     latency.add(msg.headers.get("ts"))
+                if args.print_headers:
+                    out.write(headers_text(msg).encode())
                 if args.print_content:
                     out.write(msg.body + b"\n")
                     if flush_each:
@@ -139,8 +168,30 @@ async def receive(args: argparse.Namespace, url: BrokerUrl, options: dict[str, A
         return received, nbytes, last - first
 
 
+def queue_and_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sets ``args.queue`` and ``args.browse`` from -a (Qpid's ``QUEUE; {mode: browse}``) and --browse.
+
+    Raises:
+      SystemExit: status 2 for options that are not a Qpid map, or that qflow-receive does not take.
+    """
+    try:
+        args.queue, address_options = parse_qpid_address(args.address)
+    except AddressOptionsError as exc:
+        parser.error(f"-a {args.address!r}: {exc}")
+    unknown = sorted(set(address_options) - {"mode"})
+    if unknown:  # refused rather than ignored: {create: always} would otherwise seem to declare the queue
+        parser.error(f"-a {args.address!r}: address option{'s' if len(unknown) > 1 else ''} "
+                     f"{', '.join(map(repr, unknown))} not supported (qflow-receive takes mode)")
+    mode = address_options.get("mode", "consume")
+    if mode not in ("browse", "consume"):
+        parser.error(f"-a {args.address!r}: mode must be browse or consume, not {mode!r}")
+    args.browse = args.browse or mode == "browse"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, url, options = client_setup(build_parser(), argv)
+    parser = build_parser()
+    args, url, options = client_setup(parser, argv)
+    queue_and_mode(parser, args)
     try:
         latency = Latency()
         received, nbytes, seconds = trio.run(receive, args, url, options, latency)
@@ -156,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     if args.report_total:  # qpid-receive's columns, tab-separated; the latencies only if messages had a ts
-        print("tp(m/s)\tl-min\tl-max\tl-avg")
+        print("tp(m/s)\tl-min\tl-max\tl-avg" if latency.samples else "tp(m/s)")
         print(f"{received / seconds if seconds > 0 else 0.0:.0f}{latency.columns()}")
     return 0
 

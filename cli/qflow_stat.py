@@ -30,6 +30,7 @@ from ._common import (
     add_tool_options,
     broker_address,
     duration,
+    human_bytes,
     mgmt_address,
     name_path,
     open_management,
@@ -128,8 +129,9 @@ def subscriptions_view(api: Management, args: argparse.Namespace) -> str:
     subs = api.get("/api/subscriptions")
     if args.json:
         return dump(subs)
-    rows = [(s["subscription"], s["queue"], s["connection"], s["connectionName"], s["session"], s["browse"],
-             s["acked"], s["exclusive"], s["creditMode"], s["delivered"]) for s in subs]
+    # An unnamed session (most are) by its channel number, as -c shows it: 0 is a session too.
+    rows = [(s["subscription"], s["queue"], s["connection"], s["connectionName"], s["session"] or str(s["channel"]),
+             s["browse"], s["acked"], s["exclusive"], s["creditMode"], s["delivered"]) for s in subs]
     return "Subscriptions\n" + table(SUBSCRIPTION_HEADERS, _sorted(SUBSCRIPTION_HEADERS, rows, args))
 
 
@@ -151,22 +153,28 @@ def connections_view(api: Management, args: argparse.Namespace) -> str:
 
 
 def general_view(api: Management, args: argparse.Namespace) -> str:
+    """-g: two tables, the broker's traffic and its resources (the store, the memory alarm), each
+    narrow enough for a terminal; sizes in human units (:func:`human_bytes`)."""
     info = api.get("/api/broker")
     if args.json:
         return dump(info)
     t, o = info["totals"], info["options"]
-    rows = [(f"qflowd {info['version']}", duration(info["uptimeSeconds"]), t["connections"], t["sessions"],
-             t["exchanges"], t["queues"], t["msgDepth"], t["byteDepth"], t["flowStoppedQueues"], t["heldSessions"],
-             t["heldTransfers"], t["discardsNoRoute"], info["storeSize"], info["storeOverfull"],
-             info["storeOverfullCount"], info["memoryUsed"], info["memoryHighWatermark"], info["memoryLowWatermark"],
-             info["memoryAlarm"], info["memoryAlarmCount"])]
-    head = ("broker", "uptime", "conn", "sess", "exch", "queue", "msg", "bytes", "flowStopped", "heldSess", "held",
-            "unroutable", "storeSize", "storeOverfull", "overfulls", "memoryUsed", "memHigh", "memLow", "memoryAlarm",
-            "alarms")
-    quota = f", store quota {o['storeOverfullSize']}/{o['storeUnderfullSize']} bytes" \
-        if o.get("storeOverfullSize") else ""
-    return (f"Broker Summary ({api.address}, accounting {o['accounting']}, flow defaults "
-            f"{o['defaultFlowStopThreshold']}%/{o['defaultFlowResumeThreshold']}%{quota})\n" + table(head, rows))
+    traffic = [(duration(info["uptimeSeconds"]), t["connections"], t["sessions"], t["exchanges"], t["queues"],
+                t["msgDepth"], human_bytes(t["byteDepth"]), t["flowStoppedQueues"], t["heldSessions"],
+                t["heldTransfers"], t["discardsNoRoute"])]
+    traffic_head = ("uptime", "conn", "sess", "exch", "queue", "msg", "bytes", "flowStopped", "heldSess", "held",
+                    "unroutable")
+    resources = [(human_bytes(info["storeSize"]), info["storeOverfull"], info["storeOverfullCount"],
+                  human_bytes(info["memoryUsed"]), human_bytes(info["memoryHighWatermark"]),
+                  human_bytes(info["memoryLowWatermark"]), info["memoryAlarm"], info["memoryAlarmCount"])]
+    resources_head = ("storeSize", "storeOverfull", "overfulls", "memoryUsed", "memHigh", "memLow", "memoryAlarm",
+                      "alarms")
+    quota = f"store quota {o['storeOverfullSize']}/{o['storeUnderfullSize']} bytes" \
+        if o.get("storeOverfullSize") else "no store quota"
+    return (f"Broker Summary (qflowd {info['version']} at {api.address}, accounting {o['accounting']}, flow defaults "
+            f"{o['defaultFlowStopThreshold']}%/{o['defaultFlowResumeThreshold']}%)\n"
+            + table(traffic_head, traffic)
+            + f"\n\nResources ({quota}; sizes in bytes, K/M/G/T = 1024^1..4)\n" + table(resources_head, resources))
 
 
 def dump(value: Any) -> str:

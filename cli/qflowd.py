@@ -5,7 +5,7 @@
            [--memory-high-watermark BYTES|FRACTION] [--memory-low-watermark BYTES|FRACTION]
            [--auth yes|no] [--sasl-db FILE]
            [--ssl-cert-file FILE [--ssl-key-file FILE] [--ssl-port PORT] [--mgmt-ssl yes|no]
-            [--ssl-ca-file FILE [--ssl-require-client-authentication]]]
+            [--ssl-ca-file FILE [--ssl-require-client-authentication]] [--require-encryption]]
 
 Authentication (SASL SCRAM-SHA-256 and PLAIN on the messaging port, HTTP
 Basic on the management port) is on with ``--auth yes``, against the users
@@ -20,6 +20,8 @@ messaging port) and the management API is https on ``--mgmt-port`` (unless
 CAs signed, which authenticates them as the certificate's CN (SASL EXTERNAL;
 on the management API, instead of HTTP Basic);
 ``--ssl-require-client-authentication`` refuses TLS clients without one.
+``--require-encryption`` (qpidd's) refuses every connection on the plain
+messaging port, telling the client to use TLS on ``--ssl-port``.
 
 The data directory (default ~/.qflowd) keeps the durable configuration across
 restarts and is locked: a second qflowd on it exits 1, naming the holder's PID.
@@ -98,7 +100,9 @@ def _convert(p: argparse.ArgumentParser, action: argparse.Action, name: str, tex
     try:
         value = action.type(text) if action.type is not None else text
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        p.error(f"{where}: bad value {text!r} for {name}: {exc}")
+        # Python's own texts ("invalid literal for int() with base 10") say nothing to an operator.
+        why = {int: "expected a whole number", float: "expected a number"}.get(action.type, str(exc))
+        p.error(f"{where}: bad value {text!r} for {name}: {why}")
     if action.choices is not None and value not in action.choices:
         p.error(f"{where}: {name} must be one of {', '.join(map(str, action.choices))}, not {text!r}")
     return value
@@ -230,6 +234,9 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                    action="store_true",
                    help="mutual TLS: a TLS client (messaging or management) without a certificate signed by a CA "
                         "of --ssl-ca-file is refused in the handshake")
+    p.add_argument("--require-encryption", action="store_true",
+                   help="refuse plain connections on the messaging port (each told to connect with TLS to "
+                        "--ssl-port, and logged); needs --ssl-cert-file")
     p.add_argument("--mgmt-ssl", type=yes_no, default=True, metavar="yes|no",
                    help="with --ssl-cert-file, serve the management API over TLS (https) on --mgmt-port "
                         "(default yes; no: plain http, for a broker behind a TLS proxy)")
@@ -318,6 +325,11 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     if args.ssl_require_client_auth and args.ssl_ca_file is None:
         p.error("--ssl-require-client-authentication needs --ssl-ca-file FILE: the CA certificates that sign the "
                 "clients' certificates")
+    if args.require_encryption and args.ssl_cert_file is None:
+        p.error("--require-encryption needs --ssl-cert-file (and --ssl-key-file): without TLS there would be no way in")
+    if args.require_encryption and not args.mgmt_ssl:
+        p.error("--require-encryption with --mgmt-ssl no would still take credentials in clear on the management "
+                "port: leave --mgmt-ssl yes")
     args.mgmt_ssl = args.mgmt_ssl and args.ssl_cert_file is not None
     if args.ssl_port is None:
         args.ssl_port = 0 if args.port == 0 else 5671

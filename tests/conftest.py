@@ -107,6 +107,20 @@ async def wait_for(predicate, timeout: float = 30) -> None:
             await trio.sleep(0.01)
 
 
+def table_after(text: str, title: str) -> dict[str, str]:
+    """The one-row qflow-stat table under the line that starts with ``title``, by its header's names."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(title))
+    head, _rule, row = lines[at + 1:at + 4]
+    return table_columns(head, row)
+
+
+def bytes_of(text: str) -> float:
+    """A qflow-stat size (512B, 1.5K, 9.4G) as bytes, to the precision it is shown with."""
+    units = {"B": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+    return float(text[:-1]) * units[text[-1]]
+
+
 def table_columns(head: str, row: str) -> dict[str, str]:
     """A qflow-stat table row by its header's names. Numbers and flags are
     right-aligned under their names (a flag that is off is blank), so each

@@ -619,3 +619,38 @@ def test_the_console_is_served_from_a_built_package(tmp_path):
     console = ROOT / "qflow" / "management" / "console"
     assert served == {name: (console / name).read_text() for name in ASSETS}
     assert {p.name for p in console.iterdir() if p.is_file() and p.suffix != ".py"} == set(ASSETS)
+
+
+def test_a_connection_is_closed_from_its_row_and_the_close_is_logged(daemon, browser):
+    d = daemon
+    ok(config(d, "add", "queue", "victim-q"))
+    victim = subprocess.Popen(command("qflow-receive") + ["-b", d.address, "-a", "victim-q", "--forever",
+                                                          "--connection-name", "victim"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        peer = until("the receiver's connection", lambda: next(
+            (c["peer"] for c in api(d, "/api/connections") if c["name"] == "victim"), None))
+        page = browser.new_page()
+        dialogs: list[str] = []
+
+        def on_dialog(dialog: Any) -> None:
+            dialogs.append(dialog.message)
+            dialog.accept()
+
+        page.on("dialog", on_dialog)
+        page.goto(f"http://127.0.0.1:{d.mgmt_port}/", timeout=DEADLINE * MS)
+        page.locator(f'#connections tr[data-connection="{peer}"] button.close').click()
+        expect(page.locator("#message")).to_have_text(f"Closed the connection victim {peer}.", timeout=DEADLINE * MS)
+        assert dialogs[0].startswith(f"Close the connection victim {peer}?")
+        _out, err = victim.communicate(timeout=DEADLINE)
+        assert victim.returncode == 1 and "closed by an operator (user 'anonymous', management API)" in err, err
+        expect(page.locator(f'#connections tr[data-connection="{peer}"]')).to_have_count(0, timeout=DEADLINE * MS)
+        page.close()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.communicate()
+    log = d.log()
+    assert re.search(rf"management change by 127\.0\.0\.1:\d+ \(user 'anonymous'\): DELETE /api/connections/"
+                     rf"{re.escape(peer.replace(':', '%3A'))} done \(200\)", log), log[-3000:]
+    assert f"connection {peer} closed: name 'victim', user 'anonymous': closed by an operator" in log

@@ -101,7 +101,7 @@ def test_server_takes_the_smaller_frame_size():
     ([P.OPEN, {"mechanism": "KERBEROS"}], P.NOT_ALLOWED,
      "authentication mechanism 'KERBEROS' is not supported (ANONYMOUS, SCRAM-SHA-256, PLAIN)"),
     *[([P.OPEN, opts], P.COMMAND_INVALID, "connection.open: name must be a string, heartbeat a number, "
-       "max_frame_size an int, deliver_runs a boolean")
+       "max_frame_size an int, deliver_runs and probe booleans")
       for opts in ({"name": 1}, {"heartbeat": "1"}, {"max_frame_size": "big"}, {"max_frame_size": 1.5e6},
                    {"deliver_runs": 1}, {"heartbeat": True})],
     *[([P.OPEN, opts], P.COMMAND_INVALID, "connection.open: heartbeat must be >= 0 and max_frame_size >= 4096")
@@ -506,3 +506,18 @@ def test_the_end_of_the_stream_ends_the_connection(role, text):
         conn.receive_data(b"", 1.0)
     assert (info.value.code, info.value.text, info.value.by_peer) == (P.CONNECTION_FORCED, text, True)
     assert conn.state is State.CLOSED and not conn.write_close()
+
+
+def test_a_probe_says_so_in_its_open_and_may_attach_no_session():
+    client = ProtocolConnection(Role.CLIENT, name="tool[1]", probe=True)
+    [_header, (_code, opts)] = written(client)
+    assert opts["probe"] is True
+    assert "probe" not in written(ProtocolConnection(Role.CLIENT))[1][1]  # other clients do not say it
+    conn = server()
+    [event] = feed(conn, [P.OPEN, opts])
+    assert event.probe is True and conn.probe
+    err = refused(conn, [P.ATTACH, 0, "s"])
+    assert (err.code, err.text) == (P.COMMAND_INVALID, "session.attach on a probe connection (its open said probe)")
+    assert server({}).probe is False
+    err = refused(server(), [P.OPEN, {"probe": 1}])
+    assert err.code == P.COMMAND_INVALID and "probe" in err.text

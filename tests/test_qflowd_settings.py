@@ -56,7 +56,8 @@ def test_config_file_from_the_environment_and_flags(tmp_path: Path) -> None:
     ("log-level=loud\n", {}, "log-level must be one of debug, info, warning, error"),
     ("no-data-dir=perhaps\n", {}, "no-data-dir is a flag"),
     ("", {"QFLOWD_PROT": "1"}, "QFLOWD_PROT: unknown option 'prot'"),
-    ("", {"QFLOWD_PORT": "x"}, "QFLOWD_PORT: bad value 'x' for port"),
+    ("", {"QFLOWD_PORT": "abc"}, "QFLOWD_PORT: bad value 'abc' for port: expected a whole number"),
+    ("", {"QFLOWD_MGMT_TIMEOUT": "soon"}, "QFLOWD_MGMT_TIMEOUT: bad value 'soon' for mgmt-timeout: expected a number"),
     ("", {"QFLOWD_DEFAULT_FLOW_STOP_THRESHOLD": "120"}, "threshold"),
 ])
 def test_bad_settings_refused_naming_where(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
@@ -66,6 +67,7 @@ def test_bad_settings_refused_naming_where(tmp_path: Path, text: str, env: dict[
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "invalid literal" not in result.stderr and "could not convert" not in result.stderr
 
 
 def test_missing_config_file_refused(tmp_path: Path) -> None:

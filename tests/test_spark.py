@@ -194,8 +194,12 @@ def test_options_are_case_insensitive_and_checked() -> None:
         ReadOptions.parse({"queue": "q", "maxMessagesPerTriger": "10"})
     with pytest.raises(ValueError, match="unknown option readidletimeout "):
         ReadOptions.parse({"queue": "q", "readIdleTimeout": "5"})
-    with pytest.raises(ValueError, match="unknown option durable "):  # a writer's option, given to a reader
+    with pytest.raises(ValueError, match="unknown option durable ") as refused:  # a writer's option, to a reader
         ReadOptions.parse({"queue": "q", "durable": "true"})
+    # The options it lists are those a reader takes: not consume, which is refused.
+    assert "failondataloss" in str(refused.value) and "consume" not in str(refused.value)
+    with pytest.raises(ValueError, match="'consume' is not supported"):
+        ReadOptions.parse({"queue": "q", "consume": "true"})
     with pytest.raises(ValueError, match="unknown options numpartitions, startingoffsets "):
         WriteOptions.parse({"queue": "q", "startingOffsets": "earliest", "numPartitions": "2"})
     # What Spark itself hands on (a streaming query's name and checkpoint) is not the user's mistake.

@@ -213,3 +213,43 @@ def test_mgmt_ssl_no_keeps_the_management_api_plain_http(ca, tmp_path):
         assert "Broker Summary" in out
     finally:
         d.stop()
+
+
+def test_require_encryption_refuses_plain_connections_with_the_way_in(ca, tmp_path):
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")
+    d = start_qflowd("--ssl-cert-file", str(tmp_path / "server.pem"), "--require-encryption")
+    try:
+        async def plain() -> qflow.ConnectionClosed:
+            with trio.fail_after(TIMEOUT), pytest.raises(qflow.ConnectionClosed) as info:
+                async with qflow.open_connection("127.0.0.1", d.port):
+                    pass
+            return info.value
+
+        refused = trio.run(plain)
+        assert refused.code == P.NOT_ALLOWED
+        assert refused.text == ("this broker requires encryption (--require-encryption): connect with TLS to port "
+                                f"{d.ssl_port}")
+        # TLS works; the tools name the refusal in one line.
+        assert trio.run(round_trip, d.ssl_port, client_context(ca)) == b"over tls" * 1000
+        sent = run("qflow-send", "-b", f"127.0.0.1:{d.port}", "-a", "tls", "--messages", "1")
+        assert sent.returncode == 1 and "requires encryption" in sent.stderr and \
+            len(sent.stderr.strip().splitlines()) == 1, sent.stderr
+        (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+        out = ok(run("qflow-stat", "-b", f"amqps://localhost:{d.ssl_port}", "--ssl-trustfile",
+                     str(tmp_path / "ca.pem"), "-g", "--json"))
+        assert json.loads(out)["options"]["requireEncryption"] is True
+    finally:
+        d.stop()
+    assert "refused connection from 127.0.0.1:" in d.log() and "requires encryption" in d.log()
+
+
+def test_require_encryption_needs_tls_everywhere(tmp_path: Path):
+    def qflowd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command("qflowd") + ["--port", "0", "--no-data-dir", *args], capture_output=True,
+                              text=True, timeout=DEADLINE, stdin=subprocess.DEVNULL)
+
+    result = qflowd("--require-encryption")
+    assert result.returncode == 2 and "--require-encryption needs --ssl-cert-file" in result.stderr
+    result = qflowd("--require-encryption", "--ssl-cert-file", "x.pem", "--mgmt-ssl", "no")
+    assert result.returncode == 2 and "leave --mgmt-ssl yes" in result.stderr

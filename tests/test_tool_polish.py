@@ -24,11 +24,11 @@ from qflow.cli.qflow_send import build_parser as send_parser
 from tqdm import tqdm
 
 import qflow
-from tests.conftest import Daemon
+from tests.conftest import Daemon, table_after
 
 BIN = Path(sys.executable).parent
 DEADLINE = 60.0
-TOOLS = ("qflowd", "qflow-config", "qflow-stat", "qflow-send", "qflow-receive")
+TOOLS = ("qflowd", "qflow-config", "qflow-stat", "qflow-send", "qflow-receive", "qflow-passwd")
 
 
 def run(name: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -164,3 +164,48 @@ def test_a_sessions_holds_name_queues_as_queues_and_holders_as_holders() -> None
     # A queue may be called anything, even what a holder is called: only the broker's flag makes a holder.
     assert describe_holds({"memory alarm": 1.0}, set()) == "queue memory alarm"
     assert describe_holds({}, set()) == ""
+
+
+@pytest.mark.native_only
+def test_the_tools_management_lookup_is_not_logged_at_info(tmp_path: Path) -> None:
+    """qflow-config and qflow-stat find the management API through a probe connection: the broker
+    logs it at debug, so a tool run adds no connection lines to an INFO log."""
+    from qflow.testing import start
+
+    quiet = start(log=str(tmp_path / "info.log"))
+    loud = start("--log-level", "debug", log=str(tmp_path / "debug.log"))
+    try:
+        for d in (quiet, loud):
+            b = f"127.0.0.1:{d.port}"
+            assert run("qflow-config", "-b", b, "queues").returncode == 0
+            assert run("qflow-stat", "-b", b, "-q").returncode == 0
+    finally:
+        quiet.stop()
+        loud.stop()
+    assert "opened: name 'qflow-" not in quiet.log() and "closed: name 'qflow-" not in quiet.log()
+    for tool in ("qflow-config", "qflow-stat"):
+        assert re.search(rf" DEBUG .*opened: name '{tool}\[\d+\]', user 'anonymous' \(a probe\)", loud.log())
+        assert re.search(rf" DEBUG .*closed: name '{tool}\[\d+\]', user 'anonymous'", loud.log())
+
+
+@pytest.mark.native_only
+def test_stat_general_is_narrow_with_sizes_in_units_and_u_shows_session_0(daemon: Daemon) -> None:
+    b = f"127.0.0.1:{daemon.port}"
+    general = run("qflow-stat", "-b", b, "-g")
+    assert general.returncode == 0, general.stderr
+    assert max(len(line) for line in general.stdout.splitlines()) <= 100, general.stdout
+    columns = table_after(general.stdout, "Resources")
+    assert re.fullmatch(r"\d+(\.\d)?[KMGT]", columns["memoryUsed"]) and re.fullmatch(r"\d+B|\d+\.\d[KMGT]",
+                                                                                     columns["storeSize"])
+    assert table_after(general.stdout, "Broker Summary")["conn"].isdigit()
+
+    async def subscribed() -> str:
+        async with qflow.open_connection("127.0.0.1", daemon.port, name="zero") as conn:
+            ssn = await conn.session()  # unnamed, on channel 0
+            await ssn.declare_queue("on-session-0")
+            await ssn.receiver("on-session-0")
+            return (await trio.run_process([str(BIN / "qflow-stat"), "-b", b, "-u"], capture_stdout=True)).stdout
+
+    text = trio.run(subscribed).decode()
+    (row,) = [line.split() for line in text.splitlines() if " on-session-0 " in line]
+    assert row[3:5] == ["zero", "0"], text  # connName, then the session: its channel, as it has no name

@@ -27,6 +27,7 @@ import msgpack
 from qflow import protocol as P
 from qflow.broker.accounting import load_accounting
 from qflow.broker.acl import Acl, AclDenied
+from qflow.broker.arguments import refuse_unsupported
 from qflow.broker.completion import Completion, Dequeued, Holder, holders_of
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.delivery import Delivery
@@ -633,10 +634,13 @@ class Broker:
 
     def declare_queue(self, name: str, durable: bool = False, exclusive: bool = False, auto_delete: bool = False,
                       arguments: dict[str, Any] | None = None, passive: bool = False,
-                      owner: BrokerSession | None = None) -> tuple[Queue, bool]:
+                      owner: BrokerSession | None = None, recovered: bool = False) -> tuple[Queue, bool]:
         """Declare a queue; returns (queue, created). Redeclaring an existing
-        queue succeeds and changes nothing, as in AMQP."""
+        queue succeeds and changes nothing, as in AMQP. An argument qflow does
+        not support is refused (qflow.broker.arguments), unless ``recovered``."""
         arguments = {} if arguments is None else arguments
+        if not recovered:  # the store warns of those a queue was declared with before they were refused
+            refuse_unsupported(f"queue.declare {name!r}", "queue", arguments)
         self._check_name("queue", name)
         q = self.queues.get(name)
         if q is not None:
@@ -669,6 +673,7 @@ class Broker:
         change leaves out keeps its value, and a threshold no key names is
         pre-filled from the broker defaults again."""
         self.check_owner(q, "queue.modify", by)
+        refuse_unsupported(f"queue.modify {q.name!r}", "queue", arguments)
         merged = {**q.arguments, **arguments}
         try:
             settings = resolve(merged, self.defaults)

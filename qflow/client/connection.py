@@ -166,11 +166,14 @@ async def open_connection(host: str = "127.0.0.1", port: int = 5672, *, name: st
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn._serve)
+            clean = False
             try:
                 await conn._handshake()
                 yield conn
+                clean = True
             finally:
-                await conn.close()
+                # Leaving on an exception accepts nothing more: what was fetched may not have been handled.
+                await conn.close(accept_fetched=clean)
     except BaseExceptionGroup as group:
         # The connection's tasks never raise (they end the connection instead):
         # a group holds what the block raised, which the caller expects bare.
@@ -301,8 +304,8 @@ class Connection:
     async def __aenter__(self) -> Connection:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        await self.close(accept_fetched=exc_type is None)
 
     def wake(self) -> None:
         """Tell the writer the encoder has frames to send: its sessions call
@@ -336,10 +339,14 @@ class Connection:
         await ssn.wait_attached()
         return ssn
 
-    async def close(self) -> None:
+    async def close(self, *, accept_fetched: bool = True) -> None:
         """Close the connection, and return once its tasks have ended.
 
-        ``connection.close`` goes out after what is queued, and is the last
+        First, unless ``accept_fetched`` is False, what its receivers with
+        ``accept="auto"`` fetched and have not accepted yet is accepted (the
+        broker removes those messages); leaving an ``async with`` block on an
+        exception closes with False, and the broker puts them back, marked
+        redelivered. ``connection.close`` goes out after what is queued, and is the last
         frame sent; the broker's answer is awaited (at most ``CLOSE_TIMEOUT``
         seconds), then the tasks end and the socket closes. Incomplete
         commands and waiting calls fail with ConnectionClosed. Calling it
@@ -352,6 +359,9 @@ class Connection:
         self._close_started = True
         try:
             if self.error is None:
+                if accept_fetched:
+                    for ssn in list(self.sessions.values()):
+                        ssn.accept_fetched()
                 # Sessions refuse new commands first: nothing can be queued after the close frame.
                 self._shutdown(ConnectionClosed(P.NORMAL, "connection closed by the client"))
                 self.protocol.close(P.NORMAL, "client closing")

@@ -49,7 +49,8 @@ class Receiver:
     (its credit window); :meth:`fetch` and :meth:`fetch_many` take them in
     order and give the credit back in batches of half the window. With
     ``accept="auto"`` what was fetched is accepted in batches of
-    ``ack_frequency`` (and before a fetch waits, and on :meth:`close`);
+    ``ack_frequency`` (and before a fetch waits, and when the receiver, its
+    session or its connection closes cleanly);
     with ``"explicit"`` the application accepts (:meth:`accept`,
     :meth:`ReceivedMessage.accept`); with ``"none"`` the broker removes each
     message as it sends it.
@@ -256,6 +257,12 @@ class Receiver:
             self._to_accept = RangeSet()
         self._ack_mark = self._taken
         self._set_next_settle()
+
+    def accept_fetched(self) -> None:
+        """Accept now what was fetched and not accepted yet (``accept="auto"``;
+        nothing otherwise). Its session and connection call it when they close
+        cleanly; nothing is sent once the session has ended."""
+        self._flush_acks()
 
     def accept(self, messages: list[ReceivedMessage]) -> None:
         """Accept ``messages``: the broker removes them from the queue. For

@@ -90,6 +90,7 @@ class Session:
         self.holders: set[str] = set()
         self.error: ConnectionClosed | None = None
         self._attached = trio.Event()  # set by session.attached, or the session's end
+        self._ended = trio.Event()  # set by the session's end
         self._next_destination = 0
         self.channel = conn.protocol.attach(name, self)  # writes session.attach
 
@@ -155,6 +156,7 @@ class Session:
         waiting call wakes and raises ``error``, as does every later one."""
         self.error = error
         self._attached.set()
+        self._ended.set()
         for owner in list(self.commands.incomplete.values()):
             if type(owner) is _Waiter:
                 owner.error = owner.error or error
@@ -163,6 +165,29 @@ class Session:
             sender.wake()
         for receiver in self.receivers.values():
             receiver.wake()
+
+    def accept_fetched(self) -> None:
+        """Accept now what its receivers with ``accept="auto"`` fetched and
+        have not accepted yet (:meth:`Receiver.accept_fetched`)."""
+        for receiver in list(self.receivers.values()):
+            receiver.accept_fetched()
+
+    async def close(self) -> None:
+        """End the session cleanly, and return once the broker has detached it.
+
+        What its receivers with ``accept="auto"`` fetched is accepted first,
+        so the broker removes those messages; then session.detach goes out.
+        Messages delivered and not fetched (or, with ``accept="explicit"``,
+        not accepted) go back to their queues, marked redelivered. Commands
+        still incomplete, and calls waiting on the session, then fail with
+        ConnectionClosed. Closing an ended session does nothing.
+        """
+        if self.error is not None:
+            return
+        self.accept_fetched()
+        self.conn.protocol.detach(self.channel)
+        self.conn.wake()
+        await self._ended.wait()
 
     def held_text(self) -> str:
         """What holds this session's transfers now, for people: "queue orders,

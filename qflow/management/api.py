@@ -16,7 +16,8 @@ is addressable, ``/`` as ``%2F``)::
 
     GET    /api/queues                 GET|PUT|PATCH|DELETE /api/queues/{name}
     POST   /api/queues/{name}/purge    GET /api/exchanges    GET|PUT|DELETE /api/exchanges/{name}
-    GET|POST|DELETE /api/bindings      GET /api/connections  GET /api/broker    GET /metrics
+    GET|POST|DELETE /api/bindings      GET /api/connections  DELETE /api/connections/{peer}
+    GET    /api/broker                 GET /metrics
     POST   /api/acl/reload             GET /api (this list)
     GET    /  and  /console/{file}     the web console (qflow.management.console)
     GET    /api/events                 the console's live feed: server-sent events (qflow.management.events)
@@ -58,11 +59,12 @@ from qflow import __version__
 from qflow import protocol as P
 from qflow.broker import Broker
 from qflow.broker.acl import AclDenied, queue_request
+from qflow.broker.arguments import refuse_unsupported
 from qflow.broker.queue import Queue
 from qflow.management.console import SECURITY_HEADERS, asset
 from qflow.management.events import EventStream, Feed
 from qflow.management.metrics import CONTENT_TYPE as METRICS_TYPE
-from qflow.management.metrics import render_metrics
+from qflow.management.metrics import OPENMETRICS_TYPE, render_metrics, wants_openmetrics
 from qflow.management.views import (
     binding_views,
     broker_view,
@@ -71,6 +73,7 @@ from qflow.management.views import (
     exchange_views,
     iso,
     jsonable,
+    live_connections,
     queue_view,
     queue_views,
     subscription_views,
@@ -281,6 +284,7 @@ _ROUTES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("POST", ("api", "bindings"), "add_binding"),
     ("DELETE", ("api", "bindings"), "delete_binding"),
     ("GET", ("api", "connections"), "list_connections"),
+    ("DELETE", ("api", "connections", "{}"), "delete_connection"),
     ("GET", ("api", "subscriptions"), "list_subscriptions"),
     ("GET", ("api", "broker"), "get_broker"),
     ("POST", ("api", "acl", "reload"), "reload_acl"),
@@ -372,6 +376,7 @@ class ManagementApi:
         self.reload = reload_acl
         # Who asks, for the ACL: set by handle() for each request (synchronous: one request at a time).
         self.user = "anonymous"
+        self.accept = ""  # the request's Accept header: /metrics serves OpenMetrics if it asks for it
         self.server = server
         self.store = store
         self.memory = memory
@@ -383,23 +388,25 @@ class ManagementApi:
 
     # -- entry point ----------------------------------------------------------
     def handle(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-               peer: str = "") -> Response | EventStream:
+               peer: str = "", accept: str = "") -> Response | EventStream:
         """Answer one request of ``user`` (checked against the ACL, if any).
         Never raises: refusals become 4xx responses. ``GET /api/events`` is
         answered with an EventStream, whose events the server writes. A change (any method but
         GET and HEAD) is logged at info with who asked (``peer``, the HTTP
-        client's address, and ``user``) and whether it was made or refused."""
-        response = self.handle_in_steps(method, target, body, user, peer)
+        client's address, and ``user``) and whether it was made or refused.
+        ``accept`` is the request's Accept header (``/metrics`` heeds it)."""
+        response = self.handle_in_steps(method, target, body, user, peer, accept)
         while type(response) is Pending:
             response = response.step() or response
         return response
 
     def handle_in_steps(self, method: str, target: bytes, body: bytes = b"", user: str = "anonymous",
-                        peer: str = "") -> Response | Pending | EventStream:
+                        peer: str = "", accept: str = "") -> Response | Pending | EventStream:
         """As :meth:`handle`, but a purge or delete of a deep queue gives a
         :class:`Pending` whose steps the server runs, serving others between;
         the change is logged once its response is known."""
         self.user = user
+        self.accept = accept
         response = self._handle(method, target, body)
         if type(response) is Pending:
             response.answered = lambda done: self._log_change(method, target, body, user, peer, done)
@@ -500,6 +507,7 @@ class ManagementApi:
         durable = _get(fields, "durable", bool, False)
         auto_delete = _get(fields, "autoDelete", bool, False)
         arguments = _get(fields, "arguments", dict, {})
+        refuse_unsupported(f"queue.declare {name!r}", "queue", arguments)  # an existing queue's too
         self._allow("create", "queue", queue_request(name, arguments, durable=durable, autodelete=auto_delete,
                                                      exclusive=False))
         q = self.broker.queues.get(name)
@@ -563,9 +571,16 @@ class ManagementApi:
 
     def put_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
-        fields = _fields(parse_json_object(body), ("type", "durable"))
+        fields = _fields(parse_json_object(body), ("type", "durable", "arguments"))
         type_ = _get(fields, "type", str, required=True)
         durable = _get(fields, "durable", bool, False)
+        arguments = _get(fields, "arguments", dict, {})
+        # Exchanges take no arguments: those another broker acts on are refused by name, as for queues,
+        # and any other is refused too (there is nowhere to keep it).
+        refuse_unsupported(f"exchange.declare {name!r}", "exchange", arguments)
+        if arguments:
+            raise ApiError(400, f"exchange {name!r}: qflow's exchanges take no arguments, got "
+                                f"{', '.join(map(repr, arguments))}")
         if name not in self.broker.exchanges:
             _check_new_name("exchange", name)
         self._allow("create", "exchange", {"name": name, "type": type_, "durable": durable})
@@ -619,6 +634,19 @@ class ManagementApi:
         if not self._may("access", "broker", {}):  # isolation: one's own connections only
             views = [v for v in views if v["user"] == self.user]
         return json_response(200, views)
+
+    def delete_connection(self, peer: str, *, query: dict[str, str], body: bytes) -> Response:
+        """Close the protocol connection whose ``peer`` (its client's address, as /api/connections
+        shows it) is given: the client gets connection.close 320 naming who closed it. Needs
+        ``update broker``; logged as every change is."""
+        self._no_query(query)
+        self._no_body(body)
+        self._allow("update", "broker", {})
+        conn = next((c for c in live_connections(self.server) if c.peer == peer), None)
+        if conn is None:
+            raise ApiError(404, f"connection {peer!r} not found (GET /api/connections names them by peer)")
+        conn.close_by_operator(f"closed by an operator (user '{printable(self.user)}', management API)")
+        return json_response(200, {"connection": peer, "closed": True})
 
     def list_subscriptions(self, *, query: dict[str, str], body: bytes) -> Response:
         self._no_query(query)
@@ -734,8 +762,9 @@ class ManagementApi:
         self._no_query(query)
         self._allow("access", "broker", {})
         queues = queue_views(self.broker)  # built once: the totals and the per-queue samples share them
-        return Response(200, render_metrics(self.broker_view(queues), queues, exchange_views(self.broker)).encode(),
-                        METRICS_TYPE)
+        openmetrics = wants_openmetrics(self.accept)
+        text = render_metrics(self.broker_view(queues), queues, exchange_views(self.broker), openmetrics=openmetrics)
+        return Response(200, text.encode(), OPENMETRICS_TYPE if openmetrics else METRICS_TYPE)
 
 
 def _trio_now() -> float | None:

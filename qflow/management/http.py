@@ -237,8 +237,9 @@ class ManagementServer:
             method, target, body, headers = request
             credentials = basic_credentials(headers)
             user = credentials[0] if credentials else certificate_user or "anonymous"
+            accept = b",".join(v for k, v in headers if k == b"accept").decode("latin-1")
             response = unauthorized(headers, self.authenticate, peer, certificate_user) or self.api.handle_in_steps(
-                method, target, body, user, peer=peer)
+                method, target, body, user, peer=peer, accept=accept)
             while type(response) is Pending:  # a purge or delete of a deep queue: others are served between steps
                 await trio.lowlevel.checkpoint()
                 response = response.step() or response

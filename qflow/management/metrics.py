@@ -1,8 +1,21 @@
-"""The Prometheus text exposition (format 0.0.4) of ``GET /metrics``, hand-written.
+"""``GET /metrics``, hand-written: the Prometheus text format 0.0.4, or OpenMetrics 1.0 when asked.
 
 It renders the same views the JSON API serves (``views.broker_view`` and
 ``views.queue_view``): each metric names the view field it shows, so
 ``/metrics`` and ``/api/queues`` cannot disagree about a number.
+
+Two formats, chosen by the request's Accept header (:func:`wants_openmetrics`),
+as Prometheus's own client libraries choose: one text cannot be valid in both.
+OpenMetrics names a counter's family without its ``_total`` (``# TYPE
+qflow_queue_flow_stops counter``) and ends with ``# EOF``; the 0.0.4 format
+names the family as its samples are named, and a 0.0.4 reader takes a family
+without samples of its own name as another metric. A scraper that asks for
+nothing in particular (curl) gets 0.0.4, as before.
+
+No gauge shares a family name with a counter once the counter's ``_total`` is
+taken off (OpenMetrics forbids it, and parsers of either format that take it
+off, such as prometheus_client's, see two families with one name): the counts
+of times a state began are ``..._events_total`` beside the state's gauge.
 """
 
 from __future__ import annotations
@@ -11,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 # (metric, type, help, field of the queue view). Counter names end in _total.
 QUEUE_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -71,7 +85,7 @@ RESOURCE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("qflow_store_size_bytes", "gauge", "Bytes of the message journal on disk (storeSize).", "storeSize"),
     ("qflow_store_overfull", "gauge", "1 while the store is overfull: persistent producers are held "
      "(storeOverfull).", "storeOverfull"),
-    ("qflow_store_overfull_total", "counter", "Times the store became overfull (storeOverfullCount).",
+    ("qflow_store_overfull_events_total", "counter", "Times the store became overfull (storeOverfullCount).",
      "storeOverfullCount"),
     # the memory alarm (qflow.broker.memory_alarm)
     ("qflow_memory_used_bytes", "gauge", "Resident memory of qflowd when last measured (memoryUsed).", "memoryUsed"),
@@ -79,7 +93,7 @@ RESOURCE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "(memoryHighWatermark).", "memoryHighWatermark"),
     ("qflow_memory_alarm", "gauge", "1 while the memory alarm is set: every producer is held (memoryAlarm).",
      "memoryAlarm"),
-    ("qflow_memory_alarm_total", "counter", "Times the memory alarm was set (memoryAlarmCount).",
+    ("qflow_memory_alarm_events_total", "counter", "Times the memory alarm was set (memoryAlarmCount).",
      "memoryAlarmCount"),
 )
 
@@ -88,16 +102,44 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def wants_openmetrics(accept: str) -> bool:
+    """Whether a request's Accept header asks for OpenMetrics at least as much as for the 0.0.4 text.
+
+    Args:
+      accept: the header's value ("" if there was none).
+    """
+    best = {"openmetrics": 0.0, "text": 0.0}
+    for item in accept.split(","):
+        media, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        media = media.lower()
+        if media == "application/openmetrics-text":
+            best["openmetrics"] = max(best["openmetrics"], q)
+        elif media in ("text/plain", "text/*", "*/*"):
+            best["text"] = max(best["text"], q)
+    return best["openmetrics"] > 0 and best["openmetrics"] >= best["text"]
+
+
 def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]],
-                   exchanges: Sequence[dict[str, Any]] = ()) -> str:
+                   exchanges: Sequence[dict[str, Any]] = (), *, openmetrics: bool = False) -> str:
     """Every metric family: the broker-wide ones from ``broker`` (a broker view),
     then one sample per queue view in ``queues``, labelled ``queue``, and one
-    per exchange view in ``exchanges``, labelled ``exchange``."""
+    per exchange view in ``exchanges``, labelled ``exchange``; in the
+    Prometheus text format 0.0.4, or in OpenMetrics 1.0 if ``openmetrics``."""
     out: list[str] = []
 
     def family(name: str, type_: str, help_: str, samples: Iterable[tuple[str, Any]]) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {type_}")
+        # OpenMetrics names a counter's family without the _total its samples carry.
+        family_name = name[:-len("_total")] if openmetrics and type_ == "counter" else name
+        out.append(f"# HELP {family_name} {help_}")
+        out.append(f"# TYPE {family_name} {type_}")
         for labels, value in samples:
             out.append(f"{name}{labels} {int(value) if type(value) is bool else value}")
 
@@ -114,4 +156,6 @@ def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]],
     by_exchange = [(f'{{exchange="{_label(view["name"])}"}}', view) for view in exchanges]
     for metric, type_, help_, key in EXCHANGE_METRICS:
         family(metric, type_, help_, [(labels, view[key]) for labels, view in by_exchange])
+    if openmetrics:
+        out.append("# EOF")
     return "\n".join(out) + "\n"

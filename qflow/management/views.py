@@ -156,7 +156,7 @@ def subscription_views(server: Any) -> list[dict[str, Any]]:
                 out.append({
                     "subscription": name, "queue": c.queue.name, "connection": conn.peer, "connectionName": conn.name,
                     "user": conn.user,
-                    "session": ssn.name, "browse": c.acquire_mode == P.ACQUIRE_NOT_ACQUIRED,
+                    "session": ssn.name, "channel": ssn.channel, "browse": c.acquire_mode == P.ACQUIRE_NOT_ACQUIRED,
                     "acked": c.accept_mode == P.ACCEPT_EXPLICIT, "exclusive": c.queue.exclusive,
                     "creditMode": "unlimited" if c.credit < 0 and c.byte_credit < 0 else "credit",
                     "credit": c.credit, "byteCredit": c.byte_credit, "delivered": c.delivered,

@@ -153,6 +153,7 @@ class Opened(NamedTuple):
     max_frame_size: int
     deliver_runs: bool
     user: str = ""  # the authenticated user ("anonymous" for ANONYMOUS)
+    probe: bool = False  # server: the client only reads open-ok and closes (it may attach no session)
 
 
 class AttachRequested(NamedTuple):
@@ -248,7 +249,8 @@ class ProtocolConnection:
                  heartbeat: float = 0, now: float = 0.0, users: sasl.Users | None = None,
                  secret: bytes = b"", username: str | None = None, password: str = "",
                  mechanism: str | None = None, announce: dict[str, Any] | None = None, negotiate_time: float = 0.0,
-                 idle_timeout: float = 0.0, admit: Callable[[str], str | None] | None = None) -> None:
+                 idle_timeout: float = 0.0, admit: Callable[[str], str | None] | None = None,
+                 probe: bool = False) -> None:
         """A server (``max_frame_size``: its own limit; ``users``: check
         credentials against them, None: authentication off; ``secret``: for
         the decoys of unknown users) waits for the client. A client
@@ -264,7 +266,9 @@ class ProtocolConnection:
         long a server gives the handshake, authentication included;
         ``idle_timeout`` (0: none) how long a peer that negotiated no
         heartbeat may send nothing. ``admit(user)``, once a server knows who
-        the client is, says why it may not connect (a per-user limit), or None."""
+        the client is, says why it may not connect (a per-user limit), or None.
+        ``probe`` (client): the connection only reads the broker's open-ok
+        and closes; it says so in its open, and may attach no session."""
         self.role = role
         self.announce = announce if announce is not None else {}
         self.peer_properties: dict[str, Any] = {}  # a client: the broker's open-ok options
@@ -281,6 +285,7 @@ class ProtocolConnection:
         self.peer_name = ""  # a client learns the broker's name from the open-ok
         self.heartbeat = heartbeat  # negotiated once open (a client's request until then; a server's 0)
         self.deliver_runs = False
+        self.probe = probe  # a server learns it from the open
         self.decoder = FrameDecoder(max_frame_size, expect_header=role is Role.SERVER)
         self.encoder = FrameEncoder()
         self.sessions: dict[int, Any] = {}
@@ -309,6 +314,8 @@ class ProtocolConnection:
             elif self.mechanism == sasl.EXTERNAL:
                 opts["response"] = b""  # no authorisation identity: the certificate's name is the user
             opts.update(name=name, heartbeat=heartbeat, max_frame_size=max_frame_size, deliver_runs=True)
+            if probe:
+                opts["probe"] = True
             self.encoder.write([P.OPEN, opts])
 
     def _client_mechanism(self, username: str | None, password: str, mechanism: str | None) -> str:
@@ -380,10 +387,12 @@ class ProtocolConnection:
         heartbeat = opts.get("heartbeat", 0)
         max_frame = opts.get("max_frame_size", self.max_frame_size)
         deliver_runs = opts.get("deliver_runs", False)
+        probe = opts.get("probe", False)
         if (type(name) is not str or type(heartbeat) not in (int, float) or type(max_frame) is not int
-                or type(deliver_runs) is not bool):
+                or type(deliver_runs) is not bool or type(probe) is not bool):
             raise self._refuse(P.COMMAND_INVALID, "connection.open: name must be a string, heartbeat a number, "
-                               "max_frame_size an int, deliver_runs a boolean")
+                               "max_frame_size an int, deliver_runs and probe booleans")
+        self.probe = probe
         if math.isnan(heartbeat) or heartbeat < 0 or max_frame < MIN_MAX_FRAME_SIZE:  # NaN: no timer takes it
             raise self._refuse(P.COMMAND_INVALID, f"connection.open: heartbeat must be >= 0 and max_frame_size "
                                f">= {MIN_MAX_FRAME_SIZE}")
@@ -519,13 +528,15 @@ class ProtocolConnection:
         self.state = State.OPEN
         if heartbeat:
             self._beat_due = self._heard_at + self.heartbeat_interval
-        return Opened(name, heartbeat, self.max_frame_size, self.deliver_runs, self.user)
+        return Opened(name, heartbeat, self.max_frame_size, self.deliver_runs, self.user, self.probe)
 
     # -- sessions: server ------------------------------------------------------------
     def _server_attach(self, frame: list[Any]) -> AttachRequested:
         if len(frame) != 3 or type(frame[1]) is not int or type(frame[2]) is not str:
             raise self._refuse(P.COMMAND_INVALID, "session.attach must be [10, channel, name]")
         channel = frame[1]
+        if self.probe:  # what makes a probe's quieter log safe: it can do nothing but connect
+            raise self._refuse(P.COMMAND_INVALID, "session.attach on a probe connection (its open said probe)")
         if channel in self.sessions:
             raise self._refuse(P.COMMAND_INVALID, f"session.attach: channel {channel} is already attached")
         if len(self.sessions) >= MAX_SESSIONS or not 0 <= channel < CHANNELS:

@@ -77,7 +77,7 @@ class Connection:
         self._writer_scope = trio.CancelScope(shield=True)
         self._reader_scope = trio.CancelScope()
         self.budget = budget
-        self.evicted: str | None = None  # why the input budget closed this connection
+        self.evicted: str | None = None  # why the broker closed this connection (the input budget, an operator)
 
     # The negotiated values, as the management API reads them.
     name = _negotiated("name")
@@ -108,8 +108,20 @@ class Connection:
             self.protocol.close(P.RESOURCE_LIMIT_EXCEEDED, reason)
             self._reader_scope.cancel()
 
+    def close_by_operator(self, reason: str) -> None:
+        """Close this connection at an operator's request (the management API):
+        the client is told ``reason`` with CONNECTION_FORCED (320), the close is
+        logged with it, and its sessions close as on any other end (deliveries
+        not accepted go back to their queues)."""
+        if self.evicted is None:
+            self.evicted = reason
+            self.protocol.close(P.CONNECTION_FORCED, reason)
+            self._reader_scope.cancel()
+
     def _opened(self, event: Opened) -> None:
-        log.info("connection %s opened: name '%s', user '%s'", self.peer, printable(event.name), printable(event.user))
+        # A tool's probe (its management-port discovery) only connects: logged at debug, not info.
+        log.log(logging.DEBUG if event.probe else logging.INFO, "connection %s opened: name '%s', user '%s'%s",
+                self.peer, printable(event.name), printable(event.user), " (a probe)" if event.probe else "")
         if event.heartbeat:
             self._nursery.start_soon(self._send_heartbeats)
 
@@ -189,8 +201,8 @@ class Connection:
 
     def _log_closed(self, reason: str) -> None:
         # Before the open there is no name or user yet: the address says who it was.
-        log.info("connection %s closed: name '%s', user '%s': %s", self.peer, printable(self.protocol.name),
-                 printable(self.protocol.user or "-"), reason)
+        log.log(logging.DEBUG if self.protocol.probe else logging.INFO, "connection %s closed: name '%s', user '%s': %s",
+                self.peer, printable(self.protocol.name), printable(self.protocol.user or "-"), reason)
 
     async def _send_pending(self) -> None:
         try:

@@ -13,6 +13,7 @@ completed truthfully.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import os
@@ -185,6 +186,8 @@ async def run(args: argparse.Namespace) -> None:
         log.info("TLS: certificate %s; client certificates: %s", args.ssl_cert_file,
                  f"required, signed by a CA of {args.ssl_ca_file}" if args.ssl_require_client_auth else
                  f"optional, signed by a CA of {args.ssl_ca_file}" if args.ssl_ca_file else "not asked for")
+        if args.require_encryption:
+            log.info("--require-encryption: plain connections on the messaging port are refused")
     server = Server(broker, args.max_frame_size, users, args.limits)
     with ExitStack() as resources:
         data_dir = None
@@ -250,11 +253,16 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                 nursery.start_soon(run_memory_monitor, alarm)
             else:
                 log.info("memory alarm: off (--memory-high-watermark 0)")
-            port = await _start(nursery, "protocol", server.serve, args.host, args.port)
-            ready = f"qflowd ready port={port}"
             ssl_port = None
             if tls is not None:
                 ssl_port = await _start(nursery, "TLS", server.serve, args.host, args.ssl_port, tls)
+            plain = server.serve
+            if args.require_encryption:
+                # qpidd's --require-encryption: the plain port still answers, with the reason and the way in.
+                plain = functools.partial(server.serve, refuse=(
+                    f"this broker requires encryption (--require-encryption): connect with TLS to port {ssl_port}"))
+            port = await _start(nursery, "protocol", plain, args.host, args.port)
+            ready = f"qflowd ready port={port}"
             # With a certificate, the management API is served over TLS on its port (with the same client
             # certificate rules): credentials sent as HTTP Basic are not to cross the network in clear.
             mgmt_tls = tls if args.mgmt_ssl else None
@@ -271,6 +279,7 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
                        "auth": server.users is not None,
                        "saslDb": str(server.users.path) if server.users is not None else None, "sslPort": ssl_port,
                        "sslRequireClientAuthentication": args.ssl_require_client_auth,
+                       "requireEncryption": args.require_encryption,
                        "sslCaFile": args.ssl_ca_file, "mgmtSsl": mgmt_tls is not None,
                        "mgmtAllowedHosts": list(args.mgmt_allowed_hosts), "aclFile": args.acl_file}
             api = ManagementApi(broker, server, options, store=store, memory=alarm,

@@ -9,6 +9,7 @@ of memory building it) ends that connection only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -63,9 +64,11 @@ class Server:
         self._internal_error = refusal(P.INTERNAL_ERROR, "internal broker error")
 
     async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    refuse: str | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host``:``port`` (0: a free port, given to ``task_status``);
-        with ``ssl_context``, every connection is TLS (qflowd's --ssl-port)."""
+        with ``ssl_context``, every connection is TLS (qflowd's --ssl-port). With
+        ``refuse``, every connection is refused (NOT_ALLOWED, 530) with that text,
+        and the refusal logged: qflowd's --require-encryption on the plain port."""
         keep_read_buffers_in_heap()
         if ssl_context is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
@@ -73,13 +76,14 @@ class Server:
             listeners = await trio.open_ssl_over_tcp_listeners(port, ssl_context, host=host)
         self.started_at = self.started_at or trio.current_time()
         async with trio.open_nursery() as nursery:
+            handle = self._handle if refuse is None else functools.partial(self._handle, refuse=refuse)
             for listener in listeners:
-                nursery.start_soon(accept_forever, listener, self._handle, nursery, self.throttle)
+                nursery.start_soon(accept_forever, listener, handle, nursery, self.throttle)
             first = listeners[0]
             sock = first.transport_listener.socket if isinstance(first, trio.SSLListener) else first.socket
             task_status.started(sock.getsockname()[1])
 
-    async def _handle(self, stream: trio.SocketStream | trio.SSLStream) -> None:
+    async def _handle(self, stream: trio.SocketStream | trio.SSLStream, refuse: str | None = None) -> None:
         peer = "?"
         try:
             sock = socket_of(stream)
@@ -88,6 +92,9 @@ class Server:
                 peer = f"{host}:{port}"
             except OSError:
                 host = "?"
+            if refuse is not None:
+                await self._refuse(stream, peer, refuse, P.NOT_ALLOWED)
+                return
             reason = self.admission.refuse(host)
             if reason is not None:
                 await self._refuse(stream, peer, reason)
@@ -145,7 +152,8 @@ class Server:
             for user in admitted:
                 self.admission.leave_user(user)
 
-    async def _refuse(self, stream: trio.SocketStream | trio.SSLStream, peer: str, reason: str) -> None:
+    async def _refuse(self, stream: trio.SocketStream | trio.SSLStream, peer: str, reason: str,
+                      code: int = P.RESOURCE_LIMIT_EXCEEDED) -> None:
         self.refused += 1
         self.throttle.log(logging.WARNING, "refused", "refused connection from %s: %s", peer, reason)
         if self._lingering >= MAX_LINGERING:  # a flood: no time for reasons
@@ -153,6 +161,6 @@ class Server:
             return
         self._lingering += 1
         try:
-            await send_refusal(stream, refusal(P.RESOURCE_LIMIT_EXCEEDED, reason))
+            await send_refusal(stream, refusal(code, reason))
         finally:
             self._lingering -= 1

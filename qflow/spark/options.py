@@ -28,13 +28,15 @@ class QflowOptionError(ValueError):
     """A qflow data source option is missing or malformed."""
 
 
-def _lower(options: Mapping[str, str], known: frozenset[str]) -> dict[str, str]:
+def _lower(options: Mapping[str, str], known: frozenset[str], refused: frozenset[str] = frozenset()) -> dict[str, str]:
     """The options with lower-cased keys (Spark hands them over so; lowered
     again in case a caller builds the source directly). An option this side
     does not know is refused, naming it: a misspelt option must not be
-    silently ignored (those Spark itself may set, such as ``path``, are let through)."""
+    silently ignored (those Spark itself may set, such as ``path``, are let through).
+    The ``refused`` ones are let through to a refusal of their own, and not
+    listed among the options here."""
     opts = {str(k).lower(): str(v) for k, v in dict(options).items()}
-    unknown = sorted(k for k in set(opts) - known - _SPARK_OPTIONS if not k.startswith("__"))
+    unknown = sorted(k for k in set(opts) - known - refused - _SPARK_OPTIONS if not k.startswith("__"))
     if unknown:
         raise QflowOptionError(f"qflow: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
                                f"(options here: {', '.join(sorted(known))})")
@@ -47,7 +49,9 @@ _SPARK_OPTIONS = frozenset({"path", "paths", "checkpointlocation", "queryname"})
 _ENDPOINT_OPTIONS = frozenset({"broker", "connecttimeout", "username", "password", "ssl", "sslcafile",
                                "sslcertfile", "sslkeyfile"})
 READ_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "queuepattern", "numpartitions", "maxmessagespertrigger",
-                                    "startingoffsets", "endingoffsets", "failondataloss", "consume"}
+                                    "startingoffsets", "endingoffsets", "failondataloss"}
+# Known, and refused with the reason: consume=true would lose data (see ReadOptions.parse).
+REFUSED_READ_OPTIONS = frozenset({"consume"})
 WRITE_OPTIONS = _ENDPOINT_OPTIONS | {"queue", "exchange", "routingkey", "capacity", "sendtimeout", "writeid",
                                      "durable"}
 
@@ -278,7 +282,7 @@ class ReadOptions:
           QflowOptionError: naming an option that is missing, malformed,
             unknown to a reader, or at odds with another.
         """
-        opts = _lower(options, READ_OPTIONS)
+        opts = _lower(options, READ_OPTIONS, REFUSED_READ_OPTIONS)
         queues: tuple[str, ...] = ()
         if opts.get("queue", "").strip():
             names = [q.strip() for q in opts["queue"].split(",")]

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from qflow import protocol as P
+from qflow.broker.arguments import unsupported
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.protocol import CommandError
 from qflow.store.datadir import StoreError, fsync_dir
@@ -253,9 +254,15 @@ class DefinitionStore(ConfigHooks):
             [(f"exchange {name!r}", lambda n=name, t=type_: broker.declare_exchange(n, t, durable=True))
              for name, type_ in c.exchanges.items()]
             + [(f"queue {name!r}", lambda n=name, a=auto_delete, args=arguments: broker.declare_queue(
-                n, durable=True, auto_delete=a, arguments=args)) for name, (auto_delete, arguments) in c.queues.items()]
+                n, durable=True, auto_delete=a, arguments=args, recovered=True))
+               for name, (auto_delete, arguments) in c.queues.items()]
             + [(f"binding {q!r} to {ex!r} with key {key!r}", lambda e=ex, q=q, k=key: broker.bind(e, q, k))
                for ex, q, key in c.bindings])
+        for name, (_auto_delete, arguments) in c.queues.items():
+            # Declared before qflow refused them: the queue and its messages are recovered all the same
+            # (refusing would keep them from everyone), and the operator is told the arguments do nothing.
+            for reason in unsupported("queue", arguments):
+                log.warning("recovered queue %r: %s, and has no effect", name, reason)
         for what, step in steps:
             try:
                 step()

@@ -82,6 +82,13 @@ async function remove(name) {
   if (answer) say(`Deleted queue "${name}" (${answer.messages} messages).`);
 }
 
+async function closeConnection(peer, label) {
+  if (!confirm(`Close the connection ${label}? Its client is told it was closed by an operator; ` +
+               "messages it was delivered and had not accepted go back to their queues.")) return;
+  const answer = await call("DELETE", "/api/connections/" + encodeURIComponent(peer));
+  if (answer) say(`Closed the connection ${label}.`);
+}
+
 function editThresholds(name) {
   const q = queues.get(name);
   if (!q) return;
@@ -249,7 +256,9 @@ function renderConnections(list) {
         el("td", {}, s && s.senderCapacity !== null && s.senderCapacity !== undefined ? String(s.senderCapacity) : ""),
         el("td", {className: "heldTransfers"}, s ? String(s.heldTransfers) : ""),
         el("td", {className: "heldBy"}, heldBy || (s ? "–" : "")),
-        el("td", {}, s ? String(s.unackedDeliveries) : ""));
+        el("td", {}, s ? String(s.unackedDeliveries) : ""),
+        el("td", {className: "actions"}, i === 0 ? el("button", {type: "button", className: "close",
+          onclick: () => closeConnection(c.peer, `${c.name || ""} ${c.peer}`.trim())}, "Close") : ""));
       if (s && s.flowStopped) tr.classList.add("stopped");
       out.push(tr);
     });
