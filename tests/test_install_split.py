@@ -33,7 +33,8 @@ def make(tmp: Path, *args: str) -> list[str]:
 
 
 def checkout(tmp: Path) -> Path:
-    for name in ("Makefile", "pyproject.toml", "setup.py"):
+    for name in ("Makefile", "pyproject.toml", "setup.py", "native/shared_header.py", "qflow/broker/ops.py"):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp / name)
     bin_dir = tmp / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -41,7 +42,8 @@ def checkout(tmp: Path) -> Path:
         (bin_dir / name).write_text(FAKE.format(log=tmp / "calls.log"))
         (bin_dir / name).chmod(0o755)
     old = time.time() - 100  # the packaging as checked out, and the venv made before anything was installed
-    for path in (bin_dir / "python", tmp / "pyproject.toml", tmp / "setup.py"):
+    for path in (bin_dir / "python", tmp / "pyproject.toml", tmp / "setup.py", tmp / "native/shared_header.py",
+                 tmp / "qflow/broker/ops.py"):
         os.utime(path, (old, old))
     return tmp
 
