@@ -141,6 +141,15 @@ def client_main(argv: list[str]) -> None:
 
 
 # -- one point ------------------------------------------------------------------
+def run_queue_wait_s(pid: int) -> float:
+    """Seconds process ``pid``'s main thread has spent runnable but waiting for a CPU (/proc schedstat)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _client(args: list[str], env: dict | None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--client", *map(str, args)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
@@ -176,11 +185,18 @@ def point(rate: int, duration: float, warmup: float, durable: bool, trace_every:
             for proc in procs:
                 _expect(proc, "READY")
             broker_cpu = cpu_seconds(d.proc.pid)
+            pids = {"broker": d.proc.pid, "consumer": consumer.pid, "producer": producer.pid}
+            waits = {name: run_queue_wait_s(pid) for name, pid in pids.items()}
+            t_go = time.monotonic()
             for proc in procs:
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
             got, sent = (json.loads(_expect(proc, "RESULT")) for proc in procs)
             broker_cpu = cpu_seconds(d.proc.pid) - broker_cpu
+            elapsed = time.monotonic() - t_go
+            # The share of the run each process spent ready to run but waiting for a CPU: the load's part.
+            waits = {name: round(100 * (run_queue_wait_s(pid) - waits[name]) / elapsed, 1)
+                     for name, pid in pids.items()}
             for proc in procs:
                 proc.stdin.close()
                 if proc.wait():
@@ -195,7 +211,7 @@ def point(rate: int, duration: float, warmup: float, durable: bool, trace_every:
     return {"rate": rate, "persistent": durable, "seconds": duration, "warmup_s": warmup, **got,
             "achieved_rate": round(count / sent["send_s"]) if sent["send_s"] else None,
             "sends_per_wakeup": round(count / sent["wakeups"], 1),
-            "broker_cpu_pct": round(100 * broker_cpu / (duration + warmup), 1)}
+            "broker_cpu_pct": round(100 * broker_cpu / (duration + warmup), 1), "run_queue_wait_pct": waits}
 
 
 def measure(duration: float, warmup: float, rates: tuple[int, ...] = RATES) -> list[dict]:
@@ -206,13 +222,15 @@ def measure(duration: float, warmup: float, rates: tuple[int, ...] = RATES) -> l
 def table(points: list[dict]) -> str:
     """The figures as make bench prints them: ms from the send call, and from the intended send time."""
     lines = [f"{'latency, ms':>22}: {'p50':>7} {'p99':>7} {'p99.9':>7} {'max':>8}   "
-             f"{'from the intended send time: p50':>32} {'p99':>7} {'p99.9':>7} {'max':>8}   sent/wake  broker CPU"]
+             f"{'from the intended send time: p50':>32} {'p99':>7} {'p99.9':>7} {'max':>8}   sent/wake  broker CPU"
+             "   waiting for a CPU: broker/producer/consumer"]
     for p in points:
         a, b = p["from_send"], p["from_intended"]
         name = f"{p['rate'] // 1000}k msg/s {'persistent' if p['persistent'] else 'transient'}"
         lines.append(f"{name:>22}: {a['p50']:>7.3f} {a['p99']:>7.3f} {a['p999']:>7.3f} {a['max']:>8.3f}   "
                      f"{b['p50']:>32.3f} {b['p99']:>7.3f} {b['p999']:>7.3f} {b['max']:>8.3f}   "
-                     f"{p['sends_per_wakeup']:>9} {p['broker_cpu_pct']:>9}%")
+                     f"{p['sends_per_wakeup']:>9} {p['broker_cpu_pct']:>9}%   "
+                     + "/".join(f"{p['run_queue_wait_pct'][k]}%" for k in ("broker", "producer", "consumer")))
     return "\n".join(lines)
 
 
