@@ -211,7 +211,7 @@ def point(rate: int, duration: float, warmup: float, durable: bool, trace_every:
     return {"rate": rate, "persistent": durable, "seconds": duration, "warmup_s": warmup, **got,
             "achieved_rate": round(count / sent["send_s"]) if sent["send_s"] else None,
             "sends_per_wakeup": round(count / sent["wakeups"], 1),
-            "broker_cpu_pct": round(100 * broker_cpu / (duration + warmup), 1), "run_queue_wait_pct": waits}
+            "broker_cpu_pct": round(100 * broker_cpu / elapsed, 1), "run_queue_wait_pct": waits}
 
 
 def measure(duration: float, warmup: float, rates: tuple[int, ...] = RATES) -> list[dict]:
