@@ -203,11 +203,11 @@ def summary(results: dict) -> dict:
         row = {}
         for name, runs in sides.items():
             if runs:
-                row[name] = {"avg_ms": statistics.median(r["avg_ms"] for r in runs),
+                row[name] = {"avg_ms": round(statistics.median(r["avg_ms"] for r in runs), 3),
                              "max_ms": max(r["max_ms"] for r in runs),
-                             "min_ms": statistics.median(r["min_ms"] for r in runs),
+                             "min_ms": round(statistics.median(r["min_ms"] for r in runs), 3),
                              "send_rate": round(statistics.median(r["send_rate"] for r in runs)),
-                             "broker_cpu_s": statistics.median(r["broker_cpu_s"] for r in runs),
+                             "broker_cpu_s": round(statistics.median(r["broker_cpu_s"] for r in runs), 2),
                              "rounds": len(runs)}
         if "qpidd" in row and "qflow" in row:
             row["avg_qflow_over_qpidd"] = round(row["qflow"]["avg_ms"] / max(row["qpidd"]["avg_ms"], 1e-3), 3)
