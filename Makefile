@@ -95,10 +95,15 @@ soak: $(STAMP)
 
 # Side by side with RabbitMQ (bench/README.md). Installs Debian's rabbitmq-server with apt-get if missing
 # (root). The AMQP client libraries go into the venv for the benchmark only: they are not qflow dependencies.
-# Options: make bench-compare COMPARE_ARGS=--quick
+# Its latency workload runs beside qpidd instead, built once by ../shared/anchors/build-qpidd.sh into
+# QPID_BUILD (about 10 min on 2 cores; apt-get, root); without one it is skipped.
+# Options: make bench-compare COMPARE_ARGS=--quick; only the latency beside qpidd: COMPARE_ARGS='--workloads latency'
+QPID_BUILD ?= $(HOME)/.cache/qflow-anchors/qpid-cpp
+ANCHORS ?= ../shared/anchors
 bench-compare: $(STAMP)
 	$(PY) -m pip install --quiet 'pika>=1.3' 'aio-pika>=9' 'amqp>=5.2'
-	$(PY) bench/compare $(COMPARE_ARGS)
+	@if [ -x $(ANCHORS)/build-qpidd.sh ]; then $(ANCHORS)/build-qpidd.sh $(QPID_BUILD) || echo "qpidd not built: the latency workload is skipped"; fi
+	$(PY) bench/compare --qpid-build $(QPID_BUILD) $(COMPARE_ARGS)
 
 # The durable store's engine candidates side by side, no broker (bench/store_engines.py, docs/store.md).
 # lmdb and crc32c (the extra store-bench) go into the venv for this benchmark only.

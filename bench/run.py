@@ -332,7 +332,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workloads", default="",
                         help="only these throughput workloads (comma-separated, e.g. 64b), and none of the "
-                             "release, memory and core measurements")
+                             "release, memory and core measurements; 'latency': only the latency points")
+    parser.add_argument("--latency-duration", type=float, default=0,
+                        help="counted seconds per latency point (default 30; smoke 0.3)")
+    parser.add_argument("--latency-warmup", type=float, default=0,
+                        help="seconds at the rate before counting (default 2; smoke 0.1)")
     args = parser.parse_args()
     count = args.count or (2000 if args.smoke else 300_000)
     rounds = 1 if args.smoke else args.rounds
@@ -358,6 +362,20 @@ def main() -> None:
         "64b_acl": lambda: throughput(count, 64, no_flow, auth=True, acl=True),
     }
     only = [w for w in args.workloads.split(",") if w]
+    sys.path.insert(0, HERE)
+    import latency  # noqa: E402 - bench/ is not a package
+
+    # The smoke run: 10k msg/s only (the same code as every rate), a third of a second.
+    latency_rates = (10_000,) if args.smoke else latency.RATES
+    latency_duration = args.latency_duration or (0.3 if args.smoke else 30)
+    latency_warmup = args.latency_warmup or (0.1 if args.smoke else 2)
+    if only == ["latency"]:
+        points = latency.measure(latency_duration, latency_warmup, latency_rates)
+        print(latency.table(points))
+        print(json.dumps({**latency.json_keys(points), "latency_seconds": latency_duration,
+                          "latency_warmup_s": latency_warmup,
+                          "spin_loop_s": [round(spin_before, 3), round(spin_loop(), 3)]}))
+        return
     for name in only:
         if name not in workloads:
             raise SystemExit(f"unknown workload {name!r}: choose from {', '.join(workloads)}")
@@ -406,7 +424,6 @@ def main() -> None:
     print(f"{'flow cycles':>22}: {[r['flow_stopped_count'] for r in results['64b_flow_cycling']]}")
     print(f"{'persistent / transient':>22}: 64b {paired('64b_persistent', '64b'):.3f}, "
           f"1k {paired('1k_persistent', '1k'):.3f} (median of the rounds' pairs; the goal: 0.5 or more)")
-    sys.path.insert(0, HERE)
     from release import measure  # noqa: E402 - bench/ is not a package
 
     release = measure(rounds=5 if args.smoke else 30, held=1000 if args.smoke else 10_000)
@@ -423,6 +440,11 @@ def main() -> None:
 
     connect = measure_auth(rounds=5 if args.smoke else 40)
     print(f"{'connection setup':>22}: {connect}")
+    points = latency.measure(latency_duration, latency_warmup, latency_rates)
+    print(f"latency: 1 producer at a fixed rate (64 B, one send per message, on a fixed timeline), 1 consumer "
+          f"(fetch), a fresh qflowd each;\n  {latency_duration:g} s counted per point after {latency_warmup:g} s; "
+          "send call -> fetch returned, CLOCK_MONOTONIC (bench/README.md, Latency)")
+    print(latency.table(points))
     spin_after = spin_loop()
     release_kind = "native" if "native" in release else "python"
     out = {
@@ -455,6 +477,9 @@ def main() -> None:
         "msgs_per_s_64b_acl": med["64b_acl"],
         "acl_over_auth_throughput": round(paired("64b_acl", "64b_auth"), 3),
         "broker_peak_rss_64b": max(r["broker_peak_rss"] for r in results["64b"]),
+        **latency.json_keys(points),
+        "latency_seconds": latency_duration,
+        "latency_warmup_s": latency_warmup,
         "count": count,
         "rounds": rounds,
         "spin_loop_s": [round(spin_before, 3), round(spin_after, 3)],

@@ -32,6 +32,7 @@ from typing import Any
 import trio
 
 import qflow
+from qflow.client.pacing import pace
 
 from ._common import (
     PROGRESS_MIN,
@@ -110,8 +111,12 @@ async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]
         else:
             await ssn.query_queue(args.address)
         # Qpid's 0s: capacity 0 is a synchronous sender (one transfer in flight), rate 0 no limit.
-        sender = ssn.sender(args.address, capacity=args.capacity or 1, rate=args.send_rate or None,
-                            flow_timeout=args.flow_timeout, durable=args.durable)
+        # The rate is kept here, not by the sender, so that a message's ts is taken after any
+        # pacing sleep (as qpid-send's is): the latency it carries is the message's, not the pacing's.
+        sender = ssn.sender(args.address, capacity=args.capacity or 1, flow_timeout=args.flow_timeout,
+                            durable=args.durable)
+        interval = 1.0 / args.send_rate if args.send_rate else 0.0
+        slot = 0.0
         total = None if args.content_stdin else (1 if args.messages is None else args.messages)
         bar = progress_bar(total, PROG, total is None or total >= PROGRESS_MIN)
         started = trio.current_time()
@@ -123,6 +128,8 @@ async def send(args: argparse.Namespace, url: BrokerUrl, options: dict[str, Any]
                         nursery.start_soon(show_held, bar, ssn.held_by, ssn.holders)
                         stamp = time.time_ns if args.timestamp else None
                         for body in bodies(args):
+                            if interval:
+                                slot = await pace(slot, interval)
                             if stamp is None:
                                 await sender.send(body)
                             else:  # qpid-send's "ts": the wall clock, so that another host can compare

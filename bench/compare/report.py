@@ -31,7 +31,9 @@ def method_lines(args) -> str:
             f"whole run with RabbitMQ idle beside it, {args.rounds} round(s).")
 
 
-def report(args, bench, rss: dict, rabbitmq_version: str | None, spin_before: float, spin_after: float) -> None:
+def report(args, bench, rss: dict, rabbitmq_version: str | None, spin_before: float, spin_after: float,
+           extra: dict | None = None) -> None:
+    """Print the tables and the JSON line; ``extra``'s keys (the latency beside qpidd) join the JSON."""
     results, best, bp = bench.results, bench.best, bench.bp
     ratios, per_client, rows = {}, collections.defaultdict(dict), []
     for key, by_lib in results.items():
@@ -110,5 +112,6 @@ def report(args, bench, rss: dict, rabbitmq_version: str | None, spin_before: fl
                                              if v["qflow"]},
         "qflow_msgs_per_run": {k: round(med(v["qflow"], "count")) for k, v in results.items() if v["qflow"]},
         "failures": bench.failures,
+        **(extra or {}),
     }
     print(json.dumps(out))
