@@ -757,3 +757,46 @@ _ENCODERS: dict[type, Any] = {
     Decimal32: _enc_decimal(DECIMAL32), Decimal64: _enc_decimal(DECIMAL64), Decimal128: _enc_decimal(DECIMAL128),
     uuid.UUID: _enc_uuid, Described: _enc_described, Array: _enc_array,
 }
+
+
+# ---- skipping ----------------------------------------------------------------------------------------------
+
+_WIDTHS = {code: width for code, (width, _r) in _FIXED.items()}
+for _c in _CONSTANTS:
+    _WIDTHS[_c] = 0
+_WIDTHS[LIST0] = 0
+
+
+def skip(buf: Any, pos: int, end: int, _depth: int = 0) -> int:
+    """Where the value at ``buf[pos]`` ends, found from its constructor and
+    length fields alone: nothing inside a list, map or array is looked at.
+
+    Raises:
+      DecodeError: the value is truncated or its format code unknown.
+    """
+    depth = _depth
+    while True:
+        if pos >= end:
+            raise DecodeError("value expected, no bytes left", pos)
+        code = buf[pos]
+        if code != DESCRIBED:
+            break
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise DecodeError(f"nesting deeper than {MAX_DEPTH}", pos)
+        pos = skip(buf, pos + 1, end, depth)  # the descriptor; the described value follows it
+    width = _WIDTHS.get(code)
+    if width is not None:
+        n = width
+        pos += 1
+    elif code in _VARIABLE or code in _COMPOUND or code in _ARRAYS:
+        w = 1 if code < 0xB0 or (0xC0 <= code < 0xD0) or code == ARRAY8 else 4
+        if pos + 1 + w > end:
+            raise DecodeError(f"length of 0x{code:02x} needs {w} bytes, {end - pos - 1} left", pos + 1)
+        n = buf[pos + 1] if w == 1 else _I.unpack_from(buf, pos + 1)[0]
+        pos += 1 + w
+    else:
+        raise DecodeError(f"unknown format code 0x{code:02x}", pos)
+    if pos + n > end:
+        raise DecodeError(f"0x{code:02x} announces {n} bytes, {end - pos} left", pos)
+    return pos + n

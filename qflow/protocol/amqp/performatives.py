@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from .codec import Array, Described, Symbol, UByte, UInt, ULong, UShort, encode
+from .codec import Array, Described, Symbol, Timestamp, UByte, UInt, ULong, UShort, encode
 
 SENDER, RECEIVER = False, True
 SETTLE_UNSETTLED, SETTLE_SETTLED, SETTLE_MIXED = 0, 1, 2  # sender-settle-mode
@@ -85,6 +85,7 @@ _TYPES: dict[str, tuple[Any, Any]] = {
     "syms": (_syms_out, _syms_in),
     "map": (_sym_map_out, _sym_map_in),
     "bin": (bytes, _check(bytes, "binary")),
+    "timestamp": (Timestamp, lambda v: int(_check(Timestamp, "timestamp")(v))),
     "any": (lambda v: v, lambda v: v),
 }
 
@@ -157,7 +158,8 @@ class Composite:
         return f"{type(self).__name__}({', '.join(shown)})"
 
 
-def _composite(name: str, code: int, fields: list[tuple[Any, ...]]) -> type:
+def composite(name: str, code: int, fields: list[tuple[Any, ...]]) -> type:
+    """A :class:`Composite` subclass: ``fields`` are (name, type, default, mandatory), the last two optional."""
     spec = tuple((f[0], f[1], f[2] if len(f) > 2 else None, len(f) > 3 and f[3]) for f in fields)
     return type(name, (Composite,), {"CODE": code, "NAME": name.lower(), "FIELDS": spec,
                                      "__slots__": tuple(f[0] for f in spec), "__module__": __name__})
@@ -165,63 +167,63 @@ def _composite(name: str, code: int, fields: list[tuple[Any, ...]]) -> type:
 
 M = True  # mandatory
 
-Error = _composite("Error", 0x1D, [("condition", "sym", None, M), ("description", "str"), ("info", "map")])
+Error = composite("Error", 0x1D, [("condition", "sym", None, M), ("description", "str"), ("info", "map")])
 
 # Delivery states and outcomes (part 3.4).
-Received = _composite("Received", 0x23, [("section_number", "uint", None, M), ("section_offset", "ulong", None, M)])
-Accepted = _composite("Accepted", 0x24, [])
-Rejected = _composite("Rejected", 0x25, [("error", "error")])
-Released = _composite("Released", 0x26, [])
-Modified = _composite("Modified", 0x27, [("delivery_failed", "bool"), ("undeliverable_here", "bool"),
+Received = composite("Received", 0x23, [("section_number", "uint", None, M), ("section_offset", "ulong", None, M)])
+Accepted = composite("Accepted", 0x24, [])
+Rejected = composite("Rejected", 0x25, [("error", "error")])
+Released = composite("Released", 0x26, [])
+Modified = composite("Modified", 0x27, [("delivery_failed", "bool"), ("undeliverable_here", "bool"),
                                          ("message_annotations", "map")])
 # Transactions (part 4) are not supported; their state is recognised so that it can be refused by name.
-TransactionalState = _composite("TransactionalState", 0x34, [("txn_id", "bin", None, M), ("outcome", "state")])
+TransactionalState = composite("TransactionalState", 0x34, [("txn_id", "bin", None, M), ("outcome", "state")])
 
-Source = _composite("Source", 0x28, [
+Source = composite("Source", 0x28, [
     ("address", "str"), ("durable", "uint", 0), ("expiry_policy", "sym", "session-end"), ("timeout", "uint", 0),
     ("dynamic", "bool", False), ("dynamic_node_properties", "map"), ("distribution_mode", "sym"),
     ("filter", "map"), ("default_outcome", "state"), ("outcomes", "syms"), ("capabilities", "syms")])
-Target = _composite("Target", 0x29, [
+Target = composite("Target", 0x29, [
     ("address", "str"), ("durable", "uint", 0), ("expiry_policy", "sym", "session-end"), ("timeout", "uint", 0),
     ("dynamic", "bool", False), ("dynamic_node_properties", "map"), ("capabilities", "syms")])
-Coordinator = _composite("Coordinator", 0x30, [("capabilities", "syms")])
+Coordinator = composite("Coordinator", 0x30, [("capabilities", "syms")])
 
-Open = _composite("Open", 0x10, [
+Open = composite("Open", 0x10, [
     ("container_id", "str", None, M), ("hostname", "str"), ("max_frame_size", "uint", 0xFFFFFFFF),
     ("channel_max", "ushort", 0xFFFF), ("idle_time_out", "uint"), ("outgoing_locales", "syms"),
     ("incoming_locales", "syms"), ("offered_capabilities", "syms"), ("desired_capabilities", "syms"),
     ("properties", "map")])
-Begin = _composite("Begin", 0x11, [
+Begin = composite("Begin", 0x11, [
     ("remote_channel", "ushort"), ("next_outgoing_id", "uint", None, M), ("incoming_window", "uint", None, M),
     ("outgoing_window", "uint", None, M), ("handle_max", "uint", 0xFFFFFFFF), ("offered_capabilities", "syms"),
     ("desired_capabilities", "syms"), ("properties", "map")])
-Attach = _composite("Attach", 0x12, [
+Attach = composite("Attach", 0x12, [
     ("name", "str", None, M), ("handle", "uint", None, M), ("role", "bool", None, M),
     ("snd_settle_mode", "ubyte", SETTLE_MIXED), ("rcv_settle_mode", "ubyte", RCV_FIRST), ("source", "source"),
     ("target", "target"), ("unsettled", "map"), ("incomplete_unsettled", "bool", False),
     ("initial_delivery_count", "uint"), ("max_message_size", "ulong"), ("offered_capabilities", "syms"),
     ("desired_capabilities", "syms"), ("properties", "map")])
-Flow = _composite("Flow", 0x13, [
+Flow = composite("Flow", 0x13, [
     ("next_incoming_id", "uint"), ("incoming_window", "uint", None, M), ("next_outgoing_id", "uint", None, M),
     ("outgoing_window", "uint", None, M), ("handle", "uint"), ("delivery_count", "uint"), ("link_credit", "uint"),
     ("available", "uint"), ("drain", "bool", False), ("echo", "bool", False), ("properties", "map")])
-Transfer = _composite("Transfer", 0x14, [
+Transfer = composite("Transfer", 0x14, [
     ("handle", "uint", None, M), ("delivery_id", "uint"), ("delivery_tag", "bin"), ("message_format", "uint"),
     ("settled", "bool"), ("more", "bool", False), ("rcv_settle_mode", "ubyte"), ("state", "state"),
     ("resume", "bool", False), ("aborted", "bool", False), ("batchable", "bool", False)])
-Disposition = _composite("Disposition", 0x15, [
+Disposition = composite("Disposition", 0x15, [
     ("role", "bool", None, M), ("first", "uint", None, M), ("last", "uint"), ("settled", "bool", False),
     ("state", "state"), ("batchable", "bool", False)])
-Detach = _composite("Detach", 0x16, [("handle", "uint", None, M), ("closed", "bool", False), ("error", "error")])
-End = _composite("End", 0x17, [("error", "error")])
-Close = _composite("Close", 0x18, [("error", "error")])
+Detach = composite("Detach", 0x16, [("handle", "uint", None, M), ("closed", "bool", False), ("error", "error")])
+End = composite("End", 0x17, [("error", "error")])
+Close = composite("Close", 0x18, [("error", "error")])
 
-SaslMechanisms = _composite("SaslMechanisms", 0x40, [("sasl_server_mechanisms", "syms", None, M)])
-SaslInit = _composite("SaslInit", 0x41, [("mechanism", "sym", None, M), ("initial_response", "bin"),
+SaslMechanisms = composite("SaslMechanisms", 0x40, [("sasl_server_mechanisms", "syms", None, M)])
+SaslInit = composite("SaslInit", 0x41, [("mechanism", "sym", None, M), ("initial_response", "bin"),
                                          ("hostname", "str")])
-SaslChallenge = _composite("SaslChallenge", 0x42, [("challenge", "bin", None, M)])
-SaslResponse = _composite("SaslResponse", 0x43, [("response", "bin", None, M)])
-SaslOutcome = _composite("SaslOutcome", 0x44, [("code", "ubyte", None, M), ("additional_data", "bin")])
+SaslChallenge = composite("SaslChallenge", 0x42, [("challenge", "bin", None, M)])
+SaslResponse = composite("SaslResponse", 0x43, [("response", "bin", None, M)])
+SaslOutcome = composite("SaslOutcome", 0x44, [("code", "ubyte", None, M), ("additional_data", "bin")])
 SASL_OK, SASL_AUTH, SASL_SYS, SASL_SYS_PERM, SASL_SYS_TEMP = 0, 1, 2, 3, 4
 
 PERFORMATIVES: dict[int, type] = {c.CODE: c for c in (Open, Begin, Attach, Flow, Transfer, Disposition, Detach,
