@@ -17,7 +17,7 @@ $(PY):
 # Reinstall when the packaging or the C sources change.
 $(STAMP): $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py)
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native"
+	$(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native, qflow._amqp_native"
 	touch $(STAMP)
 
 # The browser the cross-origin test drives (tests/test_browser_attack.py): Debian's chromium, installed

@@ -41,7 +41,6 @@ from .events import (
     SaslResponseReceived,
     SessionBegun,
     SessionEnded,
-    TransferReceived,
 )
 from .frames import (
     ABORTED,
@@ -53,7 +52,6 @@ from .frames import (
     SASL_HEADER,
     SETTLED,
     SETTLED_SET,
-    TRANSFER_DESCRIPTOR,
     TYPE_AMQP,
     TYPE_SASL,
     disposition_frame,
@@ -89,6 +87,7 @@ from .performatives import (
     Transfer,
     from_described,
 )
+from .transfer_runs import ROW, Scanner, TransferRun, single
 
 DECODE_ERROR = "amqp:decode-error"
 FRAMING_ERROR = "amqp:connection:framing-error"
@@ -174,12 +173,14 @@ class Connection:
       max_unfinished_input: bytes that the unfinished multi-frame deliveries
         of the connection may hold together.
       incoming_window: the session incoming window offered (transfer frames).
+      native_scan: scan runs of transfers in C when the extension is built
+        (False: its Python twin; for tests).
     """
 
     def __init__(self, container_id: str = "qflowd", *, max_frame_size: int = 65536, channel_max: int = 255,
                  idle_time_out: int = 0, sasl_mechanisms: tuple[str, ...] | None = None,
                  require_sasl: bool = False, max_unfinished_input: int = 16 << 20,
-                 incoming_window: int = 1 << 20) -> None:
+                 incoming_window: int = 1 << 20, native_scan: bool = True) -> None:
         if max_frame_size < MIN_MAX_FRAME_SIZE:
             raise ValueError(f"max_frame_size {max_frame_size} is below the spec's floor of 512")
         self.container_id = container_id
@@ -202,6 +203,7 @@ class Connection:
         self._sessions: dict[int, _Session] = {}
         self._open_sent = False
         self._events: list[Any] = []
+        self._scanner = Scanner(native_scan)
 
     # ---- input ---------------------------------------------------------------------------------------------
 
@@ -283,11 +285,19 @@ class Connection:
             if body == end:  # heartbeat
                 pos = end
                 continue
-            if ftype == TYPE_AMQP and self.state == _OPENED and buf[body:body + 3] == TRANSFER_DESCRIPTOR:
+            if end - body > 3 and buf[body + 2] == 0x14 and buf[body] == 0 and buf[body + 1] == 0x53 and self.state == _OPENED \
+                    and ftype == TYPE_AMQP:
+                run_end = self._run(buf, pos, events)
+                if run_end:
+                    pos = run_end
+                    continue
                 fields = parse_transfer(buf, body + 3, end)
                 session = sessions.get(channel)
                 if fields is not None and session is not None:
-                    self._transfer(session, fields, buf, end, events)
+                    tag_off, tag_len = fields[2], fields[3]
+                    self._transfer(session, fields[0], fields[1], bytes(buf[tag_off:tag_off + tag_len])
+                                   if tag_len >= 0 else None, fields[4], fields[5], bytes(buf[fields[6]:end]),
+                                   events)
                     pos = end
                     continue
             self._frame(ftype, channel, buf, body, end, events)
@@ -484,8 +494,36 @@ class Connection:
 
     # ---- transfers -----------------------------------------------------------------------------------------
 
-    def _transfer(self, session: _Session, fields: tuple, buf: bytearray, end: int, events: list[Any]) -> None:
-        handle, delivery_id, tag, message_format, flags, payload_start = fields
+    def _run(self, buf: bytearray, pos: int, events: list[Any]) -> int:
+        """The run of plain transfers at ``buf[pos]`` taken as one event, as
+        far as the link's credit and the session's window go; returns where it
+        ends (0: no run here, or it must go frame by frame to report a fault)."""
+        count, end, channel, handle, message_format, rows = self._scanner.scan(buf, pos, self.max_frame_size)
+        if not count:
+            return 0
+        session = self._sessions.get(channel)
+        link = session.links.get(handle) if session is not None else None
+        if link is None or not link.peer_is_sender or link.parts is not None:
+            return 0
+        k = min(count, link.credit, session.incoming_window)
+        if k <= 0:
+            return 0
+        if k < count:
+            del rows[k * ROW:]
+            end = rows[-3] + rows[-2]
+        link.credit -= k
+        link.peer_delivery_count = (link.peer_delivery_count + k) & _MASK
+        self.frames_received += k - 1  # the caller counted the first
+        session.incoming_window -= k
+        session.next_incoming_id = (session.next_incoming_id + k) & _MASK
+        if session.incoming_window < session.window_size >> 1:
+            self._out.append(self._flow_frame(session, None))
+        events.append(TransferRun(channel, handle, bytes(buf[pos:end]), pos, rows,
+                                  message_format if message_format >= 0 else 0))
+        return end
+
+    def _transfer(self, session: _Session, handle: int, delivery_id: int, tag: bytes | None, message_format: int,
+                  flags: int, part: bytes, events: list[Any]) -> None:
         link = session.links.get(handle)
         if link is None or not link.peer_is_sender:
             raise ProtocolViolation(UNATTACHED_HANDLE, f"transfer on handle {handle}, which is not attached"
@@ -512,13 +550,11 @@ class Connection:
             link.peer_delivery_count = (link.peer_delivery_count + 1) & _MASK
             settled = flags & SETTLED != 0
             if not flags & MORE:
-                events.append(TransferReceived(session.channel, handle, delivery_id, tag, settled,
-                                               bytes(buf[payload_start:end]),
-                                               message_format if message_format >= 0 else 0))
+                events.append(single(session.channel, handle, delivery_id, tag, settled, part,
+                                     message_format if message_format >= 0 else 0))
                 return
             link.first = (delivery_id, tag, settled, message_format if message_format >= 0 else 0)
             link.parts = []
-        part = bytes(buf[payload_start:end])
         if flags & SETTLED_SET and flags & SETTLED:
             link.first = link.first[:2] + (True,) + link.first[3:]  # type: ignore[index]
         self.unfinished_input += len(part)
@@ -533,7 +569,7 @@ class Connection:
         payload = b"".join(link.parts)
         self.unfinished_input -= link.parts_size
         link.parts, link.parts_size, link.first = None, 0, None
-        events.append(TransferReceived(session.channel, handle, delivery_id, tag, settled, payload, message_format))
+        events.append(single(session.channel, handle, delivery_id, tag, settled, payload, message_format))
 
     def _transfer_general(self, session: _Session, perf: Any, buf: bytearray, start: int, end: int,
                           events: list[Any]) -> None:
@@ -545,9 +581,9 @@ class Connection:
                                     perf.handle)
         flags = ((MORE if perf.more else 0) | (ABORTED if perf.aborted else 0)
                  | (SETTLED if perf.settled else 0) | (SETTLED_SET if perf.settled is not None else 0))
-        fields = (perf.handle, -1 if perf.delivery_id is None else perf.delivery_id, perf.delivery_tag,
-                  -1 if perf.message_format is None else perf.message_format, flags, start)
-        self._transfer(session, fields, buf, end, events)
+        self._transfer(session, perf.handle, -1 if perf.delivery_id is None else perf.delivery_id,
+                       perf.delivery_tag, -1 if perf.message_format is None else perf.message_format, flags,
+                       bytes(buf[start:end]), events)
 
     # ---- faults --------------------------------------------------------------------------------------------
 

@@ -98,7 +98,9 @@ class FlowReceived(NamedTuple):
 
 class TransferReceived(NamedTuple):
     """One whole delivery (the frames of a multi-frame one, joined). ``payload``
-    is the encoded message, byte for byte as sent."""
+    is the encoded message, byte for byte as sent. Deliveries arrive as
+    :class:`~.transfer_runs.TransferRun` events (many per event);
+    ``TransferRun.transfers()`` gives them one by one in this form."""
     channel: int
     handle: int
     delivery_id: int

@@ -57,12 +57,13 @@ _NONE = -1
 MORE, SETTLED, SETTLED_SET, ABORTED = 1, 2, 4, 8  # the flags parse_transfer returns
 
 
-def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, bytes | None, int, int, int] | None:
+def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, int, int, int, int, int] | None:
     """The fields of the transfer performative at ``buf[pos:end]`` (just after
     its descriptor ``00 53 14``), read in place.
 
-    Returns ``(handle, delivery_id, delivery_tag, message_format, flags,
-    payload_start)``, where an absent delivery-id or message-format is -1 and
+    Returns ``(handle, delivery_id, tag_offset, tag_length, message_format,
+    flags, payload_start)``, where an absent delivery-id, tag (its length)
+    or message-format is -1 and
     ``flags`` holds :data:`MORE`, :data:`SETTLED`, :data:`SETTLED_SET` (settled
     was given), :data:`ABORTED`. Returns None when the performative is not in
     the plain shape every client sends (a delivery state, resume, an
@@ -88,8 +89,8 @@ def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, bytes | None
         return None
     if list_end > end or count < 1 or count > 11:
         return None
-    handle = delivery_id = message_format = _NONE
-    tag = None
+    handle = delivery_id = message_format = tag_len = _NONE
+    tag_off = 0
     flags = 0
     for i in range(count):
         if pos >= list_end:
@@ -97,6 +98,8 @@ def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, bytes | None
         c = buf[pos]
         if i == 0 or i == 1 or i == 3:  # handle, delivery-id, message-format: uint
             if c == 0x52:
+                if pos + 2 > list_end:
+                    return None
                 v = buf[pos + 1]
                 pos += 2
             elif c == 0x70:
@@ -120,6 +123,8 @@ def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, bytes | None
                 message_format = v
         elif i == 2:  # delivery-tag: binary
             if c == 0xA0:
+                if pos + 2 > list_end:
+                    return None
                 n = buf[pos + 1]
                 pos += 2
             elif c == 0x40:
@@ -129,7 +134,7 @@ def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, bytes | None
                 return None
             if pos + n > list_end:
                 return None
-            tag = bytes(buf[pos:pos + n])
+            tag_off, tag_len = pos, n
             pos += n
         elif c == 0x40:  # an absent boolean, rcv-settle-mode or state
             pos += 1
@@ -152,7 +157,7 @@ def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, bytes | None
             return None
     if pos != list_end or pos > end:
         return None
-    return handle, delivery_id, tag, message_format, flags, pos
+    return handle, delivery_id, tag_off, tag_len, message_format, flags, pos
 
 
 # ---- per-message frames, written fast ----------------------------------------------------------------------
