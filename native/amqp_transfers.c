@@ -48,6 +48,7 @@ static int parse(const uint8_t *buf, size_t pos, size_t size, uint32_t *handle, 
     }
     if (list_end > end || list_end < p || count < 2 || count > 11)
         return 0;
+    row[1] = 0;
     row[2] = -1;
     row[5] = 0;
     *format = -1;
