@@ -30,6 +30,7 @@ from qflow.protocol.amqp.performatives import (
     Attach,
     Begin,
     Close,
+    Modified,
     Open,
     Rejected,
     Source,
@@ -537,3 +538,37 @@ def test_dispositions_with_other_outcomes_reach_proton():
             states[e.delivery.tag] = e.delivery.remote_state
         pair.collector.pop()
     assert states == {"a": proton.Delivery.REJECTED, "b": proton.Delivery.RELEASED}
+
+
+def test_transfer_many_and_modified_outcome_with_proton():
+    """Many deliveries in one call reach proton intact and in order; proton's
+    modified(delivery-failed) outcome reaches us as a Modified state."""
+    pair = Pair()
+    session = pair.open_session()
+    receiver = session.receiver("c")
+    receiver.source.address = "q"
+    receiver.open()
+    (attached,) = pair.pump()
+    pair.ours.attach(0, attached.handle, source=Source(address="q"))
+    receiver.flow(50)
+    pair.pump()
+    window = pair.ours.session_window(0)
+    bodies = [Message(body=b"%d" % i).encode() for i in range(40)] + [Message(body=b"z" * 50_000).encode()]
+    first = pair.ours.transfer_many(0, attached.handle, bodies, [b"t%d" % i for i in range(len(bodies))])
+    assert first == 0 and pair.ours.link_credit(0, attached.handle) == 50 - len(bodies)
+    assert pair.ours.session_window(0) < window
+    with pytest.raises(ValueError, match="32 bytes"):
+        pair.ours.transfer(0, attached.handle, b"x", delivery_tag=b"t" * 33)
+    pair.pump()
+    got = []
+    while receiver.current is not None and not receiver.current.partial:
+        d = receiver.current
+        got.append(bytes(receiver.recv(d.pending)))
+        d.local.failed = True
+        d.update(proton.Delivery.MODIFIED)
+        receiver.advance()
+        d.settle()
+    assert got == bodies
+    dispositions = [e for e in pair.pump() if isinstance(e, ev.DispositionReceived)]
+    assert dispositions and all(isinstance(d.state, Modified) and d.state.delivery_failed for d in dispositions)
+    assert sorted(i for d in dispositions for i in range(d.first, d.last + 1)) == list(range(len(bodies)))

@@ -52,6 +52,7 @@ from .frames import (
     SASL_HEADER,
     SETTLED,
     SETTLED_SET,
+    TRANSFER_OVERHEAD,
     TYPE_AMQP,
     TYPE_SASL,
     disposition_frame,
@@ -751,15 +752,18 @@ class Connection:
                  message_format: int = 0) -> int:
         """Send one delivery to a receiving peer; returns its delivery-id.
 
-        The caller checks :meth:`link_credit` first (a transfer uses one);
-        a payload larger than the peer's frame size goes in several frames.
+        The caller checks :meth:`link_credit` (a transfer uses one) and
+        :meth:`session_window` first; a payload larger than the peer's frame
+        size goes in several frames.
         """
+        if len(delivery_tag) > 32:
+            raise ValueError(f"a delivery tag is at most 32 bytes, not {len(delivery_tag)}")
         session = self._sessions[channel]
         link = session.links[handle]
         delivery_id = session.next_outgoing_id
         link.credit -= 1
         link.delivery_count = (link.delivery_count + 1) & _MASK
-        room = self.peer_max_frame_size - 8 - 3 - 3 - (19 + len(delivery_tag))
+        room = self.peer_max_frame_size - TRANSFER_OVERHEAD - len(delivery_tag)
         if len(payload) <= room:
             self._out.append(transfer_frame(channel, handle, delivery_id, delivery_tag, settled, payload,
                                             message_format))
@@ -774,6 +778,36 @@ class Connection:
             session.next_outgoing_id = (session.next_outgoing_id + 1) & _MASK
             session.peer_incoming_window -= 1
         return delivery_id
+
+    def transfer_many(self, channel: int, handle: int, payloads: list[bytes], tags: list[bytes], *,
+                      settled: bool = False, message_format: int = 0) -> int:
+        """Send many deliveries to a receiving peer at once, as :meth:`transfer`
+        does each (their delivery-ids follow each other only if none needs
+        several frames); returns the first one's delivery-id."""
+        session = self._sessions[channel]
+        first = session.next_outgoing_id
+        room = self.peer_max_frame_size - TRANSFER_OVERHEAD - 32
+        if max(map(len, payloads), default=0) > room or max(map(len, tags), default=0) > 32:
+            for payload, tag in zip(payloads, tags, strict=True):
+                self.transfer(channel, handle, payload, delivery_tag=tag, settled=settled,
+                              message_format=message_format)
+            return first
+        link = session.links[handle]
+        n = len(payloads)
+        out = self._out
+        did = first
+        for payload, tag in zip(payloads, tags, strict=True):
+            out.append(transfer_frame(channel, handle, did, tag, settled, payload, message_format))
+            did = (did + 1) & _MASK
+        session.next_outgoing_id = did
+        session.peer_incoming_window -= n
+        link.credit -= n
+        link.delivery_count = (link.delivery_count + n) & _MASK
+        return first
+
+    def session_window(self, channel: int) -> int:
+        """How many more transfer frames the peer's session window takes now."""
+        return self._sessions[channel].peer_incoming_window
 
     def disposition(self, channel: int, first: int, last: int | None = None, *, settled: bool = True,
                     state: bytes = ACCEPTED_STATE, role: bool = RECEIVER) -> None:

@@ -163,8 +163,15 @@ def parse_transfer(buf: Any, pos: int, end: int) -> tuple[int, int, int, int, in
 # ---- per-message frames, written fast ----------------------------------------------------------------------
 
 # Transfer list of 6 fields: handle (uint), delivery-id (uint), delivery-tag (vbin8), message-format (uint),
-# settled, more. Fixed widths, so that one struct writes all of it.
-_TRANSFER_HEAD = struct.Struct(">IBBH3sBBBBIBIBB")
+# settled, more. Fixed widths, so that one struct (one per tag length) writes all of it.
+_TRANSFER_HEADS: dict[int, Any] = {}
+
+
+def _transfer_head(n: int) -> Any:
+    fmt = _TRANSFER_HEADS.get(n)
+    if fmt is None:
+        fmt = _TRANSFER_HEADS[n] = struct.Struct(f">IBBH3sBBBBIBIBB{n}sBIBB").pack
+    return fmt
 
 
 def transfer_frame(channel: int, handle: int, delivery_id: int, tag: bytes, settled: bool, payload: bytes,
@@ -175,12 +182,14 @@ def transfer_frame(channel: int, handle: int, delivery_id: int, tag: bytes, sett
 
     The delivery tag is at most 32 bytes (the spec's bound)."""
     n = len(tag)
-    fields = 5 + 5 + 2 + n + 5 + 1 + 1
-    head = _TRANSFER_HEAD.pack(
-        8 + 3 + 3 + fields + len(payload), 2, 0, channel, TRANSFER_DESCRIPTOR, 0xC0, fields + 1, 6, 0x70, handle,
-        0x70, delivery_id, 0xA0, n)
-    tail = struct.pack(">BIBB", 0x70, message_format, 0x41 if settled else 0x42, 0x41 if more else 0x42)
-    return b"".join((head, tag, tail, payload))
+    fields = 19 + n
+    return _transfer_head(n)(
+        14 + fields + len(payload), 2, 0, channel, TRANSFER_DESCRIPTOR, 0xC0, fields + 1, 6, 0x70, handle,
+        0x70, delivery_id, 0xA0, n, tag, 0x70, message_format, 0x41 if settled else 0x42,
+        0x41 if more else 0x42) + payload
+
+
+TRANSFER_OVERHEAD = 8 + 3 + 3 + 19  # a transfer frame's bytes besides its tag and payload
 
 
 _DISPOSITION = struct.Struct(">IBBH3sBBBBBIBIB")
