@@ -20,11 +20,13 @@ captured once. Then, per round, for each side:
     ``Connection.disposition`` per delivery, ``data_to_send``.
   qflow's decode alone (without the dispositions), and settling by ranges
   (one disposition per run of consecutive ids, as a broker settles a batch
-  of completions) are shown too.
+  of completions) are shown too, and the decode with the C scanner's Python
+  twin (what the extension buys).
 * outbound (the broker delivering to a consumer): ``--messages`` transfers
   written to a receiving peer's link that has credit for all, output taken.
   - proton: ``Link.delivery``, ``send``, ``advance``, ``Transport.peek/pop``.
-  - qflow: ``Connection.transfer``, ``data_to_send``.
+  - qflow: ``Connection.transfer``, ``data_to_send``; and
+    ``Connection.transfer_many`` in batches of 1000.
 
 Reported: the median µs per message of each, and the ratios proton ÷ qflow
 (above 1: qflow is cheaper). The last line is one JSON object.
@@ -155,10 +157,10 @@ def proton_inbound(setup: bytes, transfers: bytes, n: int) -> float:
     return elapsed
 
 
-def ours_inbound(setup: bytes, transfers: bytes, n: int, dispositions: str = "each") -> float:
+def ours_inbound(setup: bytes, transfers: bytes, n: int, dispositions: str = "each", native: bool = True) -> float:
     """``dispositions``: "each" (one frame per delivery), "ranges" (one per run
     of consecutive delivery-ids, as a broker settles a batch), "none" (decode alone)."""
-    conn = Connection()
+    conn = Connection(native_scan=native)
     events = conn.receive_data(setup)
     attached = [e for e in events if isinstance(e, ev.LinkAttached)][0]
     conn.open()
@@ -239,7 +241,7 @@ def proton_outbound(payload: bytes, n: int) -> float:
     return time.perf_counter() - start
 
 
-def ours_outbound(payload: bytes, n: int) -> float:
+def ours_outbound(payload: bytes, n: int, many: bool = False) -> float:
     from qflow.protocol.amqp.frames import AMQP_HEADER, frame
     from qflow.protocol.amqp.performatives import Attach, Begin, Flow, Open
     conn = Connection()
@@ -255,10 +257,16 @@ def ours_outbound(payload: bytes, n: int) -> float:
     conn.data_to_send()
     transfer = conn.transfer
     start = time.perf_counter()
-    for i in range(n):
-        transfer(0, 0, payload, delivery_tag=str(i).encode())
-        if i % 1000 == 999:
+    if many:  # batches of 1000, as a broker hands a consumer a batch
+        for i in range(0, n, 1000):
+            batch = range(i, min(n, i + 1000))
+            conn.transfer_many(0, 0, [payload] * len(batch), [str(j).encode() for j in batch])
             conn.data_to_send()
+    else:
+        for i in range(n):
+            transfer(0, 0, payload, delivery_tag=str(i).encode())
+            if i % 1000 == 999:
+                conn.data_to_send()
     conn.data_to_send()
     return time.perf_counter() - start
 
@@ -274,25 +282,31 @@ def main() -> None:
     for size, label in ((64, "64b"), (1024, "1k")):
         setup, transfers = capture(n, size)
         payload = Message(body=b"m" * size).encode()
-        samples: dict[str, list[float]] = {k: [] for k in ("p_in", "q_in", "q_rng", "q_dec", "p_out", "q_out")}
+        samples: dict[str, list[float]] = {k: [] for k in ("p_in", "q_in", "q_rng", "q_dec", "q_py", "p_out", "q_out",
+                                                            "q_many")}
         for _ in range(args.rounds):
             samples["p_in"].append(proton_inbound(setup, transfers, n))
             samples["q_in"].append(ours_inbound(setup, transfers, n))
             samples["q_rng"].append(ours_inbound(setup, transfers, n, dispositions="ranges"))
             samples["q_dec"].append(ours_inbound(setup, transfers, n, dispositions="none"))
+            samples["q_py"].append(ours_inbound(setup, transfers, n, dispositions="none", native=False))
             samples["p_out"].append(proton_outbound(payload, n))
             samples["q_out"].append(ours_outbound(payload, n))
+            samples["q_many"].append(ours_outbound(payload, n, many=True))
         us = {k: statistics.median(v) / n * 1e6 for k, v in samples.items()}
         rows = [("inbound: read + accept/settle each", us["p_in"], us["q_in"]),
                 ("inbound: qflow settling by ranges", us["p_in"], us["q_rng"]),
                 ("inbound: qflow decode alone", us["p_in"], us["q_dec"]),
-                ("outbound: transfers written", us["p_out"], us["q_out"])]
+                ("inbound: decode, Python scanner", us["p_in"], us["q_py"]),
+                ("outbound: transfers written", us["p_out"], us["q_out"]),
+                ("outbound: qflow transfer_many", us["p_out"], us["q_many"])]
         for name, p, q in rows:
             print(f"{label:>6} {name:<38} {p:14.2f} {q:13.2f} {p / q:13.1f}")
         result.update({
             f"proton_inbound_us_{label}": round(us["p_in"], 3), f"qflow_inbound_us_{label}": round(us["q_in"], 3),
-            f"qflow_decode_us_{label}": round(us["q_dec"], 3), f"qflow_inbound_ranges_us_{label}": round(us["q_rng"], 3), f"proton_outbound_us_{label}": round(us["p_out"], 3),
+            f"qflow_decode_us_{label}": round(us["q_dec"], 3), f"qflow_decode_python_us_{label}": round(us["q_py"], 3), f"qflow_inbound_ranges_us_{label}": round(us["q_rng"], 3), f"proton_outbound_us_{label}": round(us["p_out"], 3),
             f"qflow_outbound_us_{label}": round(us["q_out"], 3),
+            f"qflow_outbound_many_us_{label}": round(us["q_many"], 3),
             f"inbound_proton_over_qflow_{label}": round(us["p_in"] / us["q_in"], 2),
             f"outbound_proton_over_qflow_{label}": round(us["p_out"] / us["q_out"], 2),
             f"transfer_bytes_per_msg_{label}": round(len(transfers) / n, 1)})
