@@ -30,6 +30,9 @@ from qflow.protocol.amqp.performatives import (
     Attach,
     Begin,
     Close,
+    Detach,
+    End,
+    Flow,
     Modified,
     Open,
     Rejected,
@@ -572,3 +575,37 @@ def test_transfer_many_and_modified_outcome_with_proton():
     dispositions = [e for e in pair.pump() if isinstance(e, ev.DispositionReceived)]
     assert dispositions and all(isinstance(d.state, Modified) and d.state.delivery_failed for d in dispositions)
     assert sorted(i for d in dispositions for i in range(d.first, d.last + 1)) == list(range(len(bodies)))
+
+
+def test_after_this_side_detaches_in_flight_frames_are_dropped_and_the_answer_not_answered():
+    ours = opened()
+    ours.detach(0, 0, condition="amqp:resource-limit-exceeded", description="queue q deleted")
+    assert isinstance(frames_of(ours.data_to_send())[0], Detach)
+    # The peer had sent these before it saw the detach: dropped.
+    got = ours.receive_data(frame(0, Transfer(handle=0, delivery_id=0, delivery_tag=b"t"), b"x")
+                            + frame(0, Flow(next_incoming_id=0, incoming_window=10, next_outgoing_id=1,
+                                            outgoing_window=10, handle=0, delivery_count=1, link_credit=0)))
+    assert got == [] and not ours.closed
+    # Its detach answers ours: nothing more is sent, and the handle is free again.
+    assert ours.receive_data(frame(0, Detach(handle=0, closed=True))) == []
+    assert ours.data_to_send() == b""
+    got = ours.receive_data(frame(0, Attach(name="again", handle=0, role=False, initial_delivery_count=0,
+                                            target=Target(address="q"))))
+    assert isinstance(got[0], ev.LinkAttached) and got[0].name == "again"
+
+
+def test_a_session_fault_ends_that_session_only():
+    ours = opened()
+    ours.receive_data(frame(1, Begin(next_outgoing_id=0, incoming_window=100, outgoing_window=100)))
+    ours.begin(1)
+    ours.data_to_send()
+    got = ours.receive_data(frame(1, Transfer(handle=9, delivery_id=0, delivery_tag=b"t"), b"x")
+                            + frame(1, Transfer(handle=9, delivery_id=1, delivery_tag=b"u"), b"y")
+                            + frame(0, Transfer(handle=0, delivery_id=0, delivery_tag=b"v"), b"z"))
+    assert isinstance(got[0], ev.SessionEnded) and got[0].channel == 1
+    assert got[0].error.condition == "amqp:session:unattached-handle" and "handle 9" in got[0].error.description
+    assert [t.payload for t in deliveries(got[1:])] == [b"z"]
+    (sent,) = frames_of(ours.data_to_send())
+    assert isinstance(sent, End) and sent.error == got[0].error
+    assert ours.receive_data(frame(1, End())) == [] and ours.data_to_send() == b""
+    assert not ours.closed

@@ -123,7 +123,7 @@ class ProtocolViolation(Exception):
 
 class _Link:
     __slots__ = ("handle", "name", "peer_is_sender", "credit", "delivery_count", "peer_delivery_count",
-                 "peer_credit", "drain", "parts", "parts_size", "first", "answered")
+                 "peer_credit", "drain", "parts", "parts_size", "first", "answered", "closing")
 
     def __init__(self, handle: int, name: str, peer_is_sender: bool, delivery_count: int) -> None:
         self.handle = handle
@@ -138,11 +138,12 @@ class _Link:
         self.parts_size = 0
         self.first: tuple[int, bytes | None, bool, int] | None = None  # its (delivery-id, tag, settled, format)
         self.answered = False
+        self.closing = False  # this side sent its detach: the peer's frames for it are dropped until its own
 
 
 class _Session:
     __slots__ = ("channel", "links", "next_incoming_id", "incoming_window", "window_size", "next_outgoing_id",
-                 "peer_incoming_window", "peer_next_incoming_id", "handle_max", "answered")
+                 "peer_incoming_window", "peer_next_incoming_id", "handle_max", "answered", "closing")
 
     def __init__(self, channel: int, peer_next_outgoing_id: int, window: int) -> None:
         self.channel = channel
@@ -155,6 +156,7 @@ class _Session:
         self.peer_next_incoming_id = 0
         self.handle_max = 0xFFFFFFFF
         self.answered = False
+        self.closing = False  # this side sent its end: the peer's frames on it are dropped until its own
 
 
 class Connection:
@@ -286,22 +288,27 @@ class Connection:
             if body == end:  # heartbeat
                 pos = end
                 continue
-            if end - body > 3 and buf[body + 2] == 0x14 and buf[body] == 0 and buf[body + 1] == 0x53 and self.state == _OPENED \
-                    and ftype == TYPE_AMQP:
-                run_end = self._run(buf, pos, events)
-                if run_end:
-                    pos = run_end
-                    continue
-                fields = parse_transfer(buf, body + 3, end)
-                session = sessions.get(channel)
-                if fields is not None and session is not None:
-                    tag_off, tag_len = fields[2], fields[3]
-                    self._transfer(session, fields[0], fields[1], bytes(buf[tag_off:tag_off + tag_len])
-                                   if tag_len >= 0 else None, fields[4], fields[5], bytes(buf[fields[6]:end]),
-                                   events)
-                    pos = end
-                    continue
-            self._frame(ftype, channel, buf, body, end, events)
+            try:
+                if end - body > 3 and buf[body + 2] == 0x14 and buf[body] == 0 and buf[body + 1] == 0x53 \
+                        and self.state == _OPENED and ftype == TYPE_AMQP:
+                    run_end = self._run(buf, pos, events)
+                    if run_end:
+                        pos = run_end
+                        continue
+                    fields = parse_transfer(buf, body + 3, end)
+                    session = sessions.get(channel)
+                    if fields is not None and session is not None:
+                        tag_off, tag_len = fields[2], fields[3]
+                        self._transfer(session, fields[0], fields[1], bytes(buf[tag_off:tag_off + tag_len])
+                                       if tag_len >= 0 else None, fields[4], fields[5], bytes(buf[fields[6]:end]),
+                                       events)
+                        pos = end
+                        continue
+                self._frame(ftype, channel, buf, body, end, events)
+            except ProtocolViolation as v:
+                if v.scope == "connection":
+                    raise
+                self._violation(v, events)  # the session or link ends; the connection reads on
             if self.state == _CLOSED:
                 return n
             pos = end
@@ -341,6 +348,9 @@ class Connection:
                 raise ProtocolViolation(NOT_ALLOWED, f"{perf.NAME} before open")
             self._on_open(perf, events)
             return
+        closing = self._sessions.get(channel)
+        if closing is not None and closing.closing and not isinstance(perf, End):
+            return  # in flight before the peer saw this side's end
         if isinstance(perf, Transfer):
             session = self._session(channel, "transfer")
             self._transfer_general(session, perf, buf, payload_start, end, events)
@@ -394,13 +404,19 @@ class Connection:
     def _on_end(self, channel: int, perf: Any, events: list[Any]) -> None:
         session = self._session(channel, "end")
         self._drop_session(session)
+        if session.closing:
+            return  # the answer to this side's end
         self._out.append(frame(channel, End()))
         events.append(SessionEnded(channel, perf.error, True))
 
     def _drop_session(self, session: _Session) -> None:
         for link in session.links.values():
-            self.unfinished_input -= link.parts_size
+            self._free_parts(link)
         del self._sessions[session.channel]
+
+    def _free_parts(self, link: _Link) -> None:
+        self.unfinished_input -= link.parts_size
+        link.parts, link.parts_size, link.first = None, 0, None
 
     def _on_attach(self, channel: int, perf: Any, events: list[Any]) -> None:
         session = self._session(channel, "attach")
@@ -438,11 +454,13 @@ class Connection:
         session = self._session(channel, "detach")
         link = self._link(session, perf.handle, "detach")
         self._drop_link(session, link)
+        if link.closing:
+            return  # the answer to this side's detach
         self._out.append(frame(channel, Detach(handle=perf.handle, closed=perf.closed)))
         events.append(LinkDetached(channel, perf.handle, perf.closed, perf.error, True))
 
     def _drop_link(self, session: _Session, link: _Link) -> None:
-        self.unfinished_input -= link.parts_size
+        self._free_parts(link)
         del session.links[link.handle]
 
     def _on_flow(self, channel: int, perf: Any, events: list[Any]) -> None:
@@ -457,6 +475,8 @@ class Connection:
             events.append(FlowReceived(channel, None, None, None, 0, False, perf.echo, None))
             return
         link = self._link(session, perf.handle, "flow")
+        if link.closing:
+            return
         credit = 0
         if link.peer_is_sender:
             link.peer_delivery_count = perf.delivery_count if perf.delivery_count is not None else 0
@@ -504,7 +524,7 @@ class Connection:
             return 0
         session = self._sessions.get(channel)
         link = session.links.get(handle) if session is not None else None
-        if link is None or not link.peer_is_sender or link.parts is not None:
+        if link is None or not link.peer_is_sender or link.parts is not None or link.closing or session.closing:
             return 0
         k = min(count, link.credit, session.incoming_window)
         if k <= 0:
@@ -525,7 +545,11 @@ class Connection:
 
     def _transfer(self, session: _Session, handle: int, delivery_id: int, tag: bytes | None, message_format: int,
                   flags: int, part: bytes, events: list[Any]) -> None:
+        if session.closing:
+            return
         link = session.links.get(handle)
+        if link is not None and link.closing:
+            return  # in flight before the peer saw this side's detach
         if link is None or not link.peer_is_sender:
             raise ProtocolViolation(UNATTACHED_HANDLE, f"transfer on handle {handle}, which is not attached"
                                     " with the peer sending", "session", session.channel)
@@ -592,12 +616,16 @@ class Connection:
         error = Error(condition=Symbol(v.condition), description=v.description)
         session = self._sessions.get(v.channel)
         if v.scope == "link" and session is not None and v.handle in session.links:
-            self._drop_link(session, session.links[v.handle])
+            link = session.links[v.handle]
+            self._free_parts(link)
+            link.closing = True
             self._out.append(frame(v.channel, Detach(handle=v.handle, closed=True, error=error)))
             events.append(LinkDetached(v.channel, v.handle, True, error, False))
             return
         if v.scope in ("session", "link") and session is not None:
-            self._drop_session(session)
+            for link in session.links.values():
+                self._free_parts(link)
+            session.closing = True
             self._out.append(frame(v.channel, End(error=error)))
             events.append(SessionEnded(v.channel, error, False))
             return
@@ -670,7 +698,9 @@ class Connection:
         """End a session (with an error if ``condition`` is given)."""
         session = self._sessions.get(channel)
         if session is not None:
-            self._drop_session(session)
+            for link in session.links.values():
+                self._free_parts(link)
+            session.closing = True
         error = Error(condition=condition, description=description) if condition else None
         self._out.append(frame(channel, End(error=error)))
 
@@ -700,7 +730,9 @@ class Connection:
         """Detach (close) a link, with an error if ``condition`` is given."""
         session = self._sessions.get(channel)
         if session is not None and handle in session.links:
-            self._drop_link(session, session.links[handle])
+            link = session.links[handle]
+            self._free_parts(link)
+            link.closing = True
         error = Error(condition=condition, description=description) if condition else None
         self._out.append(frame(channel, Detach(handle=handle, closed=closed, error=error)))
 
