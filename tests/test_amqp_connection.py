@@ -8,6 +8,8 @@ import tracemalloc
 
 import proton
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from proton import Collector, Event, Message, Transport
 
 from qflow.protocol.amqp import events as ev
@@ -609,3 +611,54 @@ def test_a_session_fault_ends_that_session_only():
     assert isinstance(sent, End) and sent.error == got[0].error
     assert ours.receive_data(frame(1, End())) == [] and ours.data_to_send() == b""
     assert not ours.closed
+
+
+# ---- fuzz: whatever arrives, receive_data answers with events, never an exception ----------------------
+
+_VALID = [
+    frame(0, Transfer(handle=0, delivery_id=0, delivery_tag=b"t", more=True), b"part"),
+    frame(0, Transfer(handle=0, delivery_id=1, delivery_tag=b"u", settled=True), b"whole"),
+    frame(0, Transfer(handle=0), b"end"),
+    frame(0, Flow(next_incoming_id=0, incoming_window=5, next_outgoing_id=0, outgoing_window=5, handle=0,
+                  delivery_count=0, link_credit=10, echo=True)),
+    frame(0, Attach(name="x", handle=1, role=True, source=Source(address="q"))),
+    frame(0, Detach(handle=0, closed=True)),
+    frame(0, End()), frame(1, Begin(next_outgoing_id=0, incoming_window=1, outgoing_window=1)),
+    frame(0, Close()), HEARTBEAT,
+]
+
+
+@st.composite
+def hostile_input(draw):
+    parts = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.integers(0, 3))
+        if kind == 0:
+            parts.append(draw(st.binary(max_size=40)))
+        elif kind == 1:
+            parts.append(draw(st.sampled_from(_VALID)))
+        elif kind == 2:
+            f = bytearray(draw(st.sampled_from(_VALID)))
+            for _ in range(draw(st.integers(1, 3))):
+                f[draw(st.integers(0, len(f) - 1))] = draw(st.integers(0, 255))
+            parts.append(bytes(f))
+        else:
+            value = draw(st.recursive(st.one_of(st.none(), st.booleans(), st.integers(0, 2**32 - 1).map(UInt),
+                                                st.binary(max_size=8), st.text(max_size=8)),
+                                      lambda c: st.lists(c, max_size=4), max_leaves=10))
+            code = draw(st.sampled_from([0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x1d, 0x40]))
+            parts.append(frame_of_value(draw(st.sampled_from([0, 1, 7])), Described(ULong(code), value)))
+    return b"".join(parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hostile_input(), st.integers(1, 64), st.booleans())
+def test_hostile_input_gives_events_never_an_exception(data, chunk, native):
+    ours = opened(max_frame_size=4096, max_unfinished_input=10_000, native_scan=native)
+    for start in range(0, len(data), chunk):
+        ours.receive_data(data[start:start + chunk])
+        ours.data_to_send()
+        assert 0 <= ours.unfinished_input <= 10_000
+        assert len(ours._buf) < 4096 + chunk
+        if ours.closed:
+            break
