@@ -486,6 +486,11 @@ def test_aborted_delivery_frees_its_bytes():
     assert ours.unfinished_input == 0
     got = deliveries(ours.receive_data(frame(0, Transfer(handle=0, delivery_id=1, delivery_tag=b"u"), b"ok")))
     assert got == [ev.TransferReceived(0, 0, 1, b"u", False, b"ok", 0)]
+    # Another unfinished one, then the link goes: its bytes go with it, once.
+    ours.receive_data(frame(0, Transfer(handle=0, delivery_id=2, delivery_tag=b"v", more=True), b"y" * 300))
+    assert ours.unfinished_input == 300
+    ours.receive_data(frame(0, Detach(handle=0, closed=True)))
+    assert ours.unfinished_input == 0
 
 
 def test_session_window_is_kept_and_enforced():
@@ -619,6 +624,7 @@ _VALID = [
     frame(0, Transfer(handle=0, delivery_id=0, delivery_tag=b"t", more=True), b"part"),
     frame(0, Transfer(handle=0, delivery_id=1, delivery_tag=b"u", settled=True), b"whole"),
     frame(0, Transfer(handle=0), b"end"),
+    frame(0, Transfer(handle=0, aborted=True)),
     frame(0, Flow(next_incoming_id=0, incoming_window=5, next_outgoing_id=0, outgoing_window=5, handle=0,
                   delivery_count=0, link_credit=10, echo=True)),
     frame(0, Attach(name="x", handle=1, role=True, source=Source(address="q"))),

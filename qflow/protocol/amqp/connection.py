@@ -561,8 +561,7 @@ class Connection:
         if session.incoming_window < session.window_size >> 1:
             self._out.append(self._flow_frame(session, None))
         if flags & ABORTED:
-            self.unfinished_input -= link.parts_size
-            link.parts, link.parts_size, link.first = None, 0, None
+            self._free_parts(link)
             return
         if link.parts is None:
             if delivery_id < 0:
@@ -592,8 +591,7 @@ class Connection:
             return
         delivery_id, tag, settled, message_format = link.first  # type: ignore[misc]
         payload = b"".join(link.parts)
-        self.unfinished_input -= link.parts_size
-        link.parts, link.parts_size, link.first = None, 0, None
+        self._free_parts(link)
         events.append(single(session.channel, handle, delivery_id, tag, settled, payload, message_format))
 
     def _transfer_general(self, session: _Session, perf: Any, buf: bytearray, start: int, end: int,
