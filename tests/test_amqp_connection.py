@@ -668,3 +668,13 @@ def test_hostile_input_gives_events_never_an_exception(data, chunk, native):
         assert len(ours._buf) < 4096 + chunk
         if ours.closed:
             break
+
+
+def test_a_sender_advancing_its_delivery_count_uses_credit_up():
+    """A sending peer that answers a drain by advancing its delivery-count has
+    used that credit: what is left shrinks accordingly."""
+    ours = opened()
+    assert ours.link_credit(0, 0) == 100
+    got = ours.receive_data(frame(0, Flow(next_incoming_id=0, incoming_window=10, next_outgoing_id=0,
+                                          outgoing_window=10, handle=0, delivery_count=60, link_credit=40)))
+    assert got[0].credit == 40 and ours.link_credit(0, 0) == 40

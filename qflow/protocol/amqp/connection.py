@@ -479,7 +479,12 @@ class Connection:
             return
         credit = 0
         if link.peer_is_sender:
-            link.peer_delivery_count = perf.delivery_count if perf.delivery_count is not None else 0
+            if perf.delivery_count is not None:
+                # A sender that advanced its delivery-count without transfers (a drain) used that credit up.
+                used = (perf.delivery_count - link.peer_delivery_count) & _MASK
+                if used < 0x80000000:
+                    link.credit = max(0, link.credit - used)
+                link.peer_delivery_count = perf.delivery_count
             credit = link.credit
         else:
             count = perf.delivery_count if perf.delivery_count is not None else link.delivery_count
