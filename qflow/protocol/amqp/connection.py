@@ -544,7 +544,7 @@ class Connection:
         session.next_incoming_id = (session.next_incoming_id + k) & _MASK
         if session.incoming_window < session.window_size >> 1:
             self._out.append(self._flow_frame(session, None))
-        events.append(TransferRun(channel, handle, bytes(buf[pos:end]), pos, rows,
+        events.append(TransferRun(channel, handle, bytes(memoryview(buf)[pos:end]), pos, rows,
                                   message_format if message_format >= 0 else 0))
         return end
 
