@@ -22,7 +22,7 @@ $(PY):
 # native/qflow_shared.h is written from qflow/broker/ops.py at build time (native/shared_header.py).
 INSTALL_DEPS := $(PY) pyproject.toml setup.py $(wildcard native/*.c native/*.h native/build_*.py) \
 	native/shared_header.py qflow/broker/ops.py
-CHECK_NATIVE := $(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native"
+CHECK_NATIVE := $(PY) -c "import qflow._accounting_native, qflow._transfers_native, qflow._journal_native, qflow._amqp_native"
 
 # The test install: qflow with the extra test (pytest, prometheus_client, pyspark, playwright...).
 $(STAMP): $(INSTALL_DEPS)

@@ -31,7 +31,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"qflow": ROOT / "qflow", "cli": ROOT / "cli"}
 
-# The compiled extensions (qflow._accounting_native, qflow._transfers_native, qflow._journal_native) belong to no layer.
+# The compiled extensions (qflow._accounting_native, qflow._transfers_native, qflow._journal_native,
+# qflow._amqp_native) belong to no layer.
 NATIVE = "native"
 ALLOWED = {
     "protocol": {"protocol", NATIVE},
@@ -66,7 +67,7 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "api"
-    if parts[1] in ("_accounting_native", "_transfers_native", "_journal_native"):
+    if parts[1] in ("_accounting_native", "_transfers_native", "_journal_native", "_amqp_native"):
         return NATIVE
     if parts[1] == "__version__":
         return "version"
@@ -187,7 +188,7 @@ def _paths() -> dict[str, Path]:
 
 
 PATHS = _paths()
-NATIVE_MODULES = {"qflow._accounting_native", "qflow._transfers_native", "qflow._journal_native"}
+NATIVE_MODULES = {"qflow._accounting_native", "qflow._transfers_native", "qflow._journal_native", "qflow._amqp_native"}
 
 
 def _is_module(name: str) -> bool:
