@@ -54,6 +54,7 @@ from qflow.management import DEFAULT_TIMEOUT as DEFAULT_MGMT_TIMEOUT
 from qflow.management.guard import allowed_host_problem
 from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 from qflow.server.admission import ConnectionLimits
+from qflow.server.amqp_pump import DEFAULT_CREDIT_WINDOW
 from qflow.server.daemon import AclFileError, ListenError, TlsError, run
 from qflow.server.memory_monitor import DEFAULT_HIGH_SHARE, DEFAULT_LOW_SHARE, available_memory
 from qflow.store import StoreError
@@ -180,6 +181,10 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                    help="another name the management API may be addressed by (its Host header), besides "
                         "localhost, the loopback and listening addresses and this machine's hostname; "
                         "repeatable")
+    p.add_argument("--amqp-credit-window", type=int, default=DEFAULT_CREDIT_WINDOW, metavar="N",
+                   help="an AMQP 1.0 sending link's credit: the most transfers it may have incomplete or in credit "
+                        "at once, refilled as they complete and withheld while flow control (or the memory alarm, "
+                        f"or the store's quota) holds one of them (default {DEFAULT_CREDIT_WINDOW}, as qpidd)")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
     p.add_argument("--max-connections", type=int, default=LIMITS.max_connections, metavar="N",
@@ -315,6 +320,8 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     args.limits = ConnectionLimits(args.max_connections, args.connection_limit_per_ip,
                                    args.max_negotiate_time / 1000, args.idle_timeout, args.connection_limit_per_user,
                                    args.max_unfinished_input)
+    if args.amqp_credit_window < 1:
+        p.error(f"--amqp-credit-window must be at least 1, not {args.amqp_credit_window}")
     if args.max_frame_size < MIN_MAX_FRAME_SIZE:
         p.error(f"--max-frame-size must be at least {MIN_MAX_FRAME_SIZE}")
     if args.ssl_cert_file is None and (args.ssl_key_file is not None or args.ssl_port is not None):

@@ -48,6 +48,7 @@ log = logging.getLogger("qflow.broker")
 
 MAX_NAME = 255
 MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions are remembered for
+MAX_DESTINATION = 255  # bytes, as a queue's name: a delivery frame's head must fit in the smallest frame (4096)
 
 # The most messages one step of a long command handles (purge, delete, remove-through, an
 # accept or release of many deliveries, a detach's put-back): between two steps the server
@@ -960,6 +961,49 @@ class Broker:
     def bindings(self) -> list[dict[str, str]]:
         return [{"exchange": ex.name, "queue": q.name, "key": key}
                 for ex in self.exchanges.values() if ex.name for key, q in ex.bindings()]
+
+    def subscribe(self, ssn: BrokerSession, queue: str, destination: str, accept_mode: int, acquire_mode: int,
+                  start_sequence: int = 0) -> Consumer:
+        """A new consumer of ``queue`` on ``ssn``, delivering to ``destination``.
+
+        Args:
+          ssn: the session it delivers on.
+          queue: the queue's name.
+          destination: its name on the session (a delivery names it).
+          accept_mode: P.ACCEPT_EXPLICIT (a delivery waits for its accept) or
+            P.ACCEPT_NONE (dequeued as it is delivered).
+          acquire_mode: P.ACQUIRE_PRE_ACQUIRED (each message to one consumer)
+            or P.ACQUIRE_NOT_ACQUIRED (a browser: copies, from
+            ``start_sequence`` on).
+          start_sequence: a browser's first sequence number.
+
+        Raises:
+          CommandError: no such queue, a mode or destination not allowed, the
+            destination in use, or the queue exclusive to another session.
+        """
+        q = self.queue("message.subscribe", queue)
+        if accept_mode not in (P.ACCEPT_EXPLICIT, P.ACCEPT_NONE):
+            raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: accept_mode must be 0 or 1, not {accept_mode}")
+        if acquire_mode not in (P.ACQUIRE_PRE_ACQUIRED, P.ACQUIRE_NOT_ACQUIRED):
+            raise CommandError(P.INVALID_ARGUMENT,
+                               f"message.subscribe: acquire_mode must be 0 (acquire) or 1 (browse), not {acquire_mode}")
+        if start_sequence < 0:
+            raise CommandError(P.INVALID_ARGUMENT, "message.subscribe: start_sequence must be >= 0")
+        if len(destination.encode()) > MAX_DESTINATION:  # every delivery frame carries it: it must leave room
+            raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: destination must be at most {MAX_DESTINATION} "
+                               f"bytes, got {len(destination.encode())}")
+        if destination in ssn.consumers:
+            raise CommandError(P.NOT_ALLOWED, f"message.subscribe: destination {destination!r} is already in use")
+        self.check_owner(q, "message.subscribe", ssn)
+        c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
+        ssn.consumers[destination] = c
+        if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
+            c.cursor = start_sequence
+            q.browsers.append(c)
+        else:
+            q.consumers.append(c)
+            q.had_consumer = True
+        return c
 
     def remove_consumer(self, c: Consumer) -> None:
         q = c.queue

@@ -194,34 +194,12 @@ def _unbind(broker: Broker, ssn: BrokerSession, cid: int, exchange: str, queue: 
     broker.bind(exchange, queue, key, unbind=True, by=ssn)
 
 
-MAX_DESTINATION = 255  # bytes, as a queue's name: a delivery frame's head must fit in the smallest frame (4096)
 
 
 def _subscribe(broker: Broker, ssn: BrokerSession, cid: int, queue: str, destination: str, accept_mode: int,
                acquire_mode: int, start_sequence: int) -> None:
     broker.authorize(ssn.user, "consume", "queue", {"name": queue})  # browsing too, as in qpidd
-    q = broker.queue("message.subscribe", queue)
-    if accept_mode not in (P.ACCEPT_EXPLICIT, P.ACCEPT_NONE):
-        raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: accept_mode must be 0 or 1, not {accept_mode}")
-    if acquire_mode not in (P.ACQUIRE_PRE_ACQUIRED, P.ACQUIRE_NOT_ACQUIRED):
-        raise CommandError(P.INVALID_ARGUMENT,
-                           f"message.subscribe: acquire_mode must be 0 (acquire) or 1 (browse), not {acquire_mode}")
-    if start_sequence < 0:
-        raise CommandError(P.INVALID_ARGUMENT, "message.subscribe: start_sequence must be >= 0")
-    if len(destination.encode()) > MAX_DESTINATION:  # every delivery frame carries it: it must leave room
-        raise CommandError(P.INVALID_ARGUMENT, f"message.subscribe: destination must be at most {MAX_DESTINATION} "
-                           f"bytes, got {len(destination.encode())}")
-    if destination in ssn.consumers:
-        raise CommandError(P.NOT_ALLOWED, f"message.subscribe: destination {destination!r} is already in use")
-    broker.check_owner(q, "message.subscribe", ssn)
-    c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
-    ssn.consumers[destination] = c
-    if acquire_mode == P.ACQUIRE_NOT_ACQUIRED:
-        c.cursor = start_sequence
-        q.browsers.append(c)
-    else:
-        q.consumers.append(c)
-        q.had_consumer = True
+    broker.subscribe(ssn, queue, destination, accept_mode, acquire_mode, start_sequence)
 
 
 def _consumer(command: str, ssn: BrokerSession, destination: str) -> Consumer:

@@ -23,6 +23,7 @@ from itertools import accumulate, islice, repeat, starmap
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
 from qflow.protocol import ACCEPT_EXPLICIT
+from qflow.protocol.amqp.entries import qflow_entry
 from qflow.protocol.entries import Entry, seq_and_size, seq_of
 
 
@@ -93,6 +94,8 @@ class Delivery:
         did = ssn.next_delivery
         ssn.next_delivery = did + len(batch)
         c.delivered += len(batch)
+        if q.amqp and c.maps_amqp:
+            batch = [*map(qflow_entry, batch)]
         c.write(did, batch, sum(map(len, batch)))
         if untracked:  # keep unacked's index = delivery id - base
             ssn.unacked += [None] * len(batch)
@@ -157,7 +160,11 @@ class Delivery:
         did = ssn.next_delivery
         ssn.next_delivery = did + n
         c.delivered += n
-        c.write(did, batch, nbytes)
+        if q.amqp and c.maps_amqp:  # the consumer gets them mapped; what waits for its accept is as stored
+            wire = [*map(qflow_entry, batch)]
+            c.write(did, wire, sum(map(len, wire)))
+        else:
+            c.write(did, batch, nbytes)
         unacked = ssn.unacked
         if c.accept_mode == ACCEPT_EXPLICIT:
             if not unacked:

@@ -37,7 +37,7 @@ class CarriedHolder(Protocol):
 
 class Consumer:
     __slots__ = ("session", "destination", "queue", "accept_mode", "acquire_mode", "credit", "byte_credit", "cursor",
-                 "write", "delivered")
+                 "write", "delivered", "maps_amqp")
 
     def __init__(self, session: Any, destination: str, queue: Queue, accept_mode: int, acquire_mode: int) -> None:
         self.session = session
@@ -51,6 +51,9 @@ class Consumer:
         self.delivered = 0  # messages delivered, counted per batch (qpid-stat -u's "delivered")
         # write(first_delivery_id, entries): its deliveries, as its session's output encodes them
         self.write = session.out.deliveries(destination)
+        # A qflow consumer gets an AMQP 1.0 message mapped (qflow.protocol.amqp.entries.qflow_entry);
+        # a 1.0 consumer's output maps what it needs itself.
+        self.maps_amqp = True
 
 
 class Queue:
@@ -59,7 +62,7 @@ class Queue:
         "ready", "entries", "consumers", "next_consumer", "count", "nbytes", "next_seq",
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
-        "route", "browsers", "holders", "special", "incarnation",
+        "route", "browsers", "holders", "special", "incarnation", "amqp", "delivery_failures",
     )
 
     def __init__(
@@ -102,6 +105,12 @@ class Queue:
         # by a restart) numbers its messages afresh, so a reader that remembers
         # sequence numbers must also remember whose they are.
         self.incarnation = secrets.token_hex(8)
+        # AMQP 1.0 producers have written to it: its entries may hold 1.0 messages, which a
+        # qflow consumer gets mapped (a queue only qflow clients use pays nothing for it).
+        self.amqp = False
+        # Sequence number -> the delivery-count a 1.0 consumer's ``modified`` outcome with
+        # delivery-failed gave the message (its entry, counted in the queue's bytes, is not rewritten).
+        self.delivery_failures: dict[int, int] = {}
 
     def set_settings(self, settings: QueueSettings) -> None:
         self.settings = settings

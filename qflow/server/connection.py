@@ -50,13 +50,18 @@ def _negotiated(attr: str) -> property:
 
 class Connection:
     """A broker connection served over ``stream``. The management API reads
-    ``name``, ``user``, ``peer``, ``connected_at`` and ``sessions``."""
+    ``name``, ``user``, ``peer``, ``connected_at``, ``sessions`` and ``protocol_name``."""
+
+    protocol_name = "qflow"
 
     def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
-                 admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None) -> None:
-        """``budget``: the broker-wide bound on input in unfinished frames, told after each read."""
+                 admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None,
+                 initial: bytes = b"") -> None:
+        """``budget``: the broker-wide bound on input in unfinished frames, told after each read;
+        ``initial``: its first bytes, read already (to tell its protocol)."""
+        self.initial = initial
         self.broker = broker
         self.stream = stream
         self.peer = peer
@@ -290,11 +295,15 @@ class Connection:
             await self._handshake(self.stream)
         decoder = self.pump.decoder
         budget = self.budget
+        initial, self.initial = self.initial, b""
         while True:
-            with trio.move_on_at(protocol.peer_deadline) as scope:
-                data = await receive(READ_SIZE)
-            if scope.cancelled_caught:
-                raise protocol.peer_timed_out()
+            if initial:
+                data, initial = initial, b""
+            else:
+                with trio.move_on_at(protocol.peer_deadline) as scope:
+                    data = await receive(READ_SIZE)
+                if scope.cancelled_caught:
+                    raise protocol.peer_timed_out()
             if budget is not None:
                 decoder.hold_exact = budget.crowded
             self.pump.receive(data, now())  # b"" (the client is gone) ends it

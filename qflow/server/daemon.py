@@ -36,6 +36,7 @@ from qflow.management import ManagementApi, ManagementServer, RequestGuard
 from qflow.protocol.entries import Entry
 from qflow.protocol.sasl import check_password, decoy_verifier
 from qflow.server.admission import serve_listeners
+from qflow.server.amqp_pump import DEFAULT_CREDIT_WINDOW
 from qflow.server.listener import Server
 from qflow.server.memory_monitor import run_memory_monitor
 from qflow.server.store_task import run_store
@@ -188,7 +189,8 @@ async def run(args: argparse.Namespace) -> None:
                  f"optional, signed by a CA of {args.ssl_ca_file}" if args.ssl_ca_file else "not asked for")
         if args.require_encryption:
             log.info("--require-encryption: plain connections on the messaging port are refused")
-    server = Server(broker, args.max_frame_size, users, args.limits)
+    server = Server(broker, args.max_frame_size, users, args.limits,
+                    amqp_credit=getattr(args, "amqp_credit_window", DEFAULT_CREDIT_WINDOW))
     with ExitStack() as resources:
         data_dir = None
         journal = None

@@ -19,8 +19,9 @@ import trio
 
 from qflow import protocol as P
 from qflow.broker import Broker
+from qflow.protocol.amqp.frames import AMQP_HEADER
 from qflow.protocol.connection import refusal
-from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from qflow.protocol.framing import DEFAULT_MAX_FRAME_SIZE, READ_SIZE
 from qflow.protocol.sasl import Users
 from qflow.server.admission import (
     MAX_LINGERING,
@@ -31,9 +32,12 @@ from qflow.server.admission import (
     send_refusal,
     socket_of,
 )
+from qflow.server.amqp_connection import AmqpConnection
+from qflow.server.amqp_pump import DEFAULT_CREDIT_WINDOW
 from qflow.server.connection import Connection
 from qflow.server.input_budget import InputBudget
 from qflow.transport.read_buffers import keep_read_buffers_in_heap
+from qflow.transport.tls import certificate_name, handshake_failure
 
 log = logging.getLogger("qflow.server")
 
@@ -42,10 +46,12 @@ class Server:
     """The broker's listener and its connections."""
 
     def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, users: Users | None = None,
-                 limits: ConnectionLimits | None = None) -> None:
+                 limits: ConnectionLimits | None = None, amqp_credit: int = DEFAULT_CREDIT_WINDOW) -> None:
         """``users``: clients must authenticate against them (None: authentication off);
-        ``limits``: on connections (qpidd's defaults if None)."""
+        ``limits``: on connections (qpidd's defaults if None); ``amqp_credit``: an AMQP 1.0
+        sending link's credit window."""
         self.broker = broker
+        self.amqp_credit = amqp_credit
         self.max_frame_size = max_frame_size
         self.users = users
         self.secret = os.urandom(32)  # unknown users' decoy verifiers: fixed per name while the broker runs
@@ -53,7 +59,7 @@ class Server:
         self.admission = Admission(self.limits)  # one count over every port (plain and TLS)
         self.throttle = Throttle()
         self.input_budget = InputBudget(self.limits.max_unfinished_input, self.throttle)
-        self.connections: set[Connection] = set()
+        self.connections: set[Connection | AmqpConnection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
         self.refused = 0  # connections refused over a limit, since start
@@ -135,9 +141,21 @@ class Server:
                 self.throttle.log(logging.WARNING, "refused", "refused connection from %s: %s", peer, reason)
             return reason
 
-        conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
-                          negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
-                          admit=admit if self.limits.per_user else None, budget=self.input_budget)
+        initial = await self._first_bytes(stream, peer)
+        if initial is None:
+            await trio.aclose_forcefully(stream)
+            return
+        conn: Connection | AmqpConnection
+        if initial.startswith(AMQP_HEADER[:4]):  # AMQP 1.0, or its SASL layer: the header says which
+            identity = certificate_name(stream.getpeercert()) if isinstance(stream, trio.SSLStream) else None
+            conn = AmqpConnection(self.broker, stream, initial, self.max_frame_size, peer, self.users, self.secret,
+                                  identity, credit_window=self.amqp_credit, idle_timeout=self.limits.idle_timeout,
+                                  admit=admit if self.limits.per_user else None)
+        else:
+            conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
+                              negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
+                              admit=admit if self.limits.per_user else None, budget=self.input_budget,
+                              initial=initial)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
@@ -151,6 +169,30 @@ class Server:
             self.connections.discard(conn)
             for user in admitted:
                 self.admission.leave_user(user)
+
+    async def _first_bytes(self, stream: trio.SocketStream | trio.SSLStream, peer: str) -> bytes | None:
+        """A connection's first bytes (after the TLS handshake, on the TLS port),
+        enough to tell its protocol by its header: qflow's, or AMQP's. None
+        if the handshake failed or nothing came in the time a handshake has
+        (--max-negotiate-time); b"" if the client closed first."""
+        data = b""
+        with trio.move_on_after(self.limits.negotiate_time or float("inf")):
+            try:
+                while len(data) < 4:
+                    chunk = await stream.receive_some(READ_SIZE)
+                    if not chunk:
+                        return data
+                    data += chunk
+                return data
+            except trio.BrokenResourceError as exc:
+                if isinstance(stream, trio.SSLStream):
+                    log.warning("connection %s: TLS handshake failed: %s", peer, handshake_failure(exc))
+                return None
+            except (trio.ClosedResourceError, OSError):
+                return None
+        log.info("connection %s closed: handshake not finished within %g seconds (--max-negotiate-time)", peer,
+                 self.limits.negotiate_time)
+        return None
 
     async def _refuse(self, stream: trio.SocketStream | trio.SSLStream, peer: str, reason: str,
                       code: int = P.RESOURCE_LIMIT_EXCEEDED) -> None:
