@@ -34,20 +34,11 @@ import re
 import sys
 from typing import Any
 
-from ._common import (
-    Management,
-    ToolError,
-    add_address_options,
-    add_tool_options,
-    broker_address,
-    mgmt_address,
-    name_path,
-    non_negative,
-    open_management,
-    positive_float,
-    print_json,
-    table,
-)
+from ._addresses import broker_address, mgmt_address
+from ._errors import ToolError
+from ._management import Management, add_address_options, name_path, open_management
+from ._options import add_tool_options, non_negative, positive_float
+from ._output import print_json, table
 
 # qpid-config option -> queue argument, in the order `queues` shows them.
 QUEUE_OPTIONS = (

@@ -18,10 +18,10 @@ import argparse
 import getpass
 import sys
 
-from qflow.cli._common import add_tool_options
-
 from qflow.auth.users_file import SaslDb, SaslDbError, check_user_name
 from qflow.protocol.sasl import DEFAULT_ITERATIONS, MAX_ITERATIONS, MIN_ITERATIONS, make_verifier
+
+from ._options import add_tool_options
 
 PROG = "qflow-passwd"
 

@@ -32,19 +32,18 @@ import trio
 import qflow
 from qflow.protocol.names import printable
 
-from ._common import (
-    PROGRESS_MIN,
-    BrokerUrl,
+from ._addresses import BrokerUrl
+from ._errors import fail
+from ._options import (
     add_broker_option,
     add_connection_options,
     client_setup,
-    fail,
     non_negative,
     positive,
-    progress_bar,
     seconds_or_zero,
     yes_no,
 )
+from ._output import PROGRESS_MIN, progress_bar
 from ._qpid_address import AddressOptionsError, parse_qpid_address
 
 PROG = "qflow-receive"

@@ -34,22 +34,18 @@ import trio
 import qflow
 from qflow.client.pacing import pace
 
-from ._common import (
-    PROGRESS_MIN,
-    BrokerUrl,
+from ._addresses import BrokerUrl
+from ._errors import fail, single_error
+from ._options import (
     add_broker_option,
     add_connection_options,
-    bar_logging,
     client_setup,
-    fail,
     non_negative,
     positive_float,
-    progress_bar,
     seconds_or_zero,
-    show_held,
-    single_error,
     yes_no,
 )
+from ._output import PROGRESS_MIN, bar_logging, progress_bar, show_held
 
 PROG = "qflow-send"
 

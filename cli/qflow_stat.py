@@ -23,20 +23,11 @@ import sys
 import time
 from typing import Any
 
-from ._common import (
-    Management,
-    ToolError,
-    add_address_options,
-    add_tool_options,
-    broker_address,
-    duration,
-    human_bytes,
-    mgmt_address,
-    name_path,
-    open_management,
-    positive_float,
-    table,
-)
+from ._addresses import broker_address, mgmt_address
+from ._errors import ToolError
+from ._management import Management, add_address_options, name_path, open_management
+from ._options import add_tool_options, positive_float
+from ._output import duration, human_bytes, table
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,7 +61,7 @@ from qflow.store import StoreError
 from qflow.store.journal import DEFAULT_SEGMENT_SIZE, SMALLEST_JOURNAL
 from qflow.store.quota import QuotaError, QuotaLimits
 
-from ._common import add_tool_options, yes_no
+from ._options import add_tool_options, yes_no
 
 log = logging.getLogger("qflow")
 

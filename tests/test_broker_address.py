@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from qflow.cli._common import BrokerUrl, parse_url
+from qflow.cli._addresses import BrokerUrl, parse_url
 
 import qflow
 from qflow.client.address import AddressError, parse_address

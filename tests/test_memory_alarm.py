@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 import trio
-from qflow.cli._common import human_bytes
+from qflow.cli._output import human_bytes
 
 import qflow
 from qflow import protocol as P

@@ -12,7 +12,7 @@ import os
 import stat
 
 import pytest
-from qflow.cli._common import BrokerUrl, parse_url
+from qflow.cli._addresses import BrokerUrl, parse_url
 
 from qflow.auth.users_file import SaslDb, SaslDbError, check_user_name
 from qflow.protocol import sasl

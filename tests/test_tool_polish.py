@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from qflow.cli._common import bar_logging, held_text
+from qflow.cli._output import bar_logging, held_text
 from qflow.cli.qflow_receive import build_parser as receive_parser
 from qflow.cli.qflow_send import build_parser as send_parser
 from tqdm import tqdm

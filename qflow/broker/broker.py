@@ -83,6 +83,23 @@ def _load_transfer_runs(enabled: bool | None) -> Any:
 
 
 class Broker:
+    """The broker's model: its queues, exchanges and sessions, and the verbs
+    the protocol, the management API, the store and the memory alarm call.
+
+    Each input batch ends with :meth:`flush`, which applies what the batch
+    logged and reports what completed. A refused command raises
+    :class:`qflow.protocol.CommandError` with the code the client is told;
+    nothing is changed then.
+
+    Args:
+      defaults: the flow thresholds and limits of a queue that names none
+        (qflowd's options).
+      accounting: the accounting that applies the op log (default:
+        ``$QFLOW_ACCOUNTING``'s, else the C one if built).
+      transfer_runs: whether runs of transfers are taken whole by the C
+        scanner (None: unless ``$QFLOW_TRANSFER_RUNS=0``).
+    """
+
     def __init__(self, defaults: FlowDefaults | None = None, accounting: Accounting | None = None,
                  transfer_runs: bool | None = None) -> None:
         self.defaults = defaults or FlowDefaults()
@@ -116,6 +133,7 @@ class Broker:
 
     @property
     def acct(self) -> Accounting:
+        """The accounting that applies the op log (completion's)."""
         return self.completion.acct
 
     # -- sessions -------------------------------------------------------------
@@ -124,7 +142,15 @@ class Broker:
         """Attach a session of ``user`` (its connection's authenticated user),
         connected from ``peer`` (its address, for the log).
         What it is told goes to ``out`` (one gathering qflow frames in memory
-        if none), whose ``wake()`` is called after each batch that told it something."""
+        if none), whose ``wake()`` is called after each batch that told it something.
+
+        Args:
+          channel: the session's channel on its connection.
+          name: the session's name, as the client gave it.
+          out: where what the session is told goes.
+          user: its connection's authenticated user (ACL checks).
+          peer: its connection's address (the log).
+        """
         slot = self._next_session_slot
         self._next_session_slot += 1
         ssn = BrokerSession(channel, name, slot, out, user, peer)
@@ -185,9 +211,13 @@ class Broker:
             self.transfer = self._checked_transfer  # type: ignore[method-assign]
 
     def authorize(self, user: str, action: str, obj: str, request: dict[str, Any]) -> None:
-        """Raise AclDenied (530) unless the ACL lets ``user`` do ``action`` on
-        ``obj`` (qflow.broker.acl.Acl.check). Every client command and every
-        management request is checked here."""
+        """Check that the ACL lets ``user`` do ``action`` on ``obj``
+        (qflow.broker.acl.Acl.check). Every client command and every
+        management request is checked here.
+
+        Raises:
+          AclDenied: the ACL refuses it (code 530, NOT_ALLOWED).
+        """
         if self.acl is not None:
             self.acl.check(user, action, obj, request)
 
@@ -215,15 +245,23 @@ class Broker:
 
     def check_owner(self, q: Queue, command: str, ssn: BrokerSession | None) -> None:
         """An exclusive queue is usable only by the session that declared it,
-        as in AMQP 0-10 and qpidd (so by no other connection): RESOURCE_LOCKED
-        otherwise. ``ssn`` None: the management API, never an owner."""
+        as in AMQP 0-10 and qpidd (so by no other connection). ``ssn`` None:
+        the management API, never an owner.
+
+        Raises:
+          CommandError: RESOURCE_LOCKED, naming ``command``, if ``q`` is exclusive to another session.
+        """
         if q.exclusive and q.owner is not ssn:
             raise CommandError(P.RESOURCE_LOCKED, f"{command}: queue {q.name!r} is exclusive to another session")
 
     # -- the per-message path -------------------------------------------------
     def route(self, exchange: str, routing_key: str, properties: dict | None = None) -> Any:
         """The queues a message to ``exchange`` with ``routing_key`` (and
-        ``properties``, for exchange types that read them) goes to."""
+        ``properties``, for exchange types that read them) goes to.
+
+        Raises:
+          CommandError: NOT_FOUND if there is no such exchange.
+        """
         if exchange == "":
             q = self.queues.get(routing_key)
             return q.route if q is not None else ()
@@ -237,7 +275,13 @@ class Broker:
         """Route and enqueue one message. ``tail`` is the message's encoding as
         it arrived (exchange, routing key, properties, body), if the connection
         had it at hand; otherwise it is encoded here. The message's size is
-        counted from ``tail``, as a run's is from the same bytes in C."""
+        counted from ``tail``, as a run's is from the same bytes in C.
+
+        Raises:
+          CommandError: NOT_FOUND for an unknown exchange; RESOURCE_LIMIT_EXCEEDED
+            when a destination is full and its policy refuses (nothing is enqueued);
+            INVALID_ARGUMENT for properties the protocol does not take.
+        """
         if properties is not None:
             P.check_properties(properties)
         if exchange == "":  # the default exchange, inline: this is the per-message path
@@ -627,7 +671,11 @@ class Broker:
             raise CommandError(P.INVALID_ARGUMENT, f"{kind} name must be 1 to {MAX_NAME} bytes, got {len(name.encode())}")
 
     def queue(self, command: str, name: str) -> Queue:
-        """The queue called ``name``; NOT_FOUND, naming ``command``, if there is none."""
+        """The queue called ``name``.
+
+        Raises:
+          CommandError: NOT_FOUND, naming ``command``, if there is none.
+        """
         q = self.queues.get(name)
         if q is None:
             raise CommandError(P.NOT_FOUND, f"{command}: queue {name!r} not found")
@@ -638,7 +686,21 @@ class Broker:
                       owner: BrokerSession | None = None, recovered: bool = False) -> tuple[Queue, bool]:
         """Declare a queue; returns (queue, created). Redeclaring an existing
         queue succeeds and changes nothing, as in AMQP. An argument qflow does
-        not support is refused (qflow.broker.arguments), unless ``recovered``."""
+        not support is refused (qflow.broker.arguments), unless ``recovered``.
+
+        Args:
+          name: 1 to 255 bytes.
+          durable, exclusive, auto_delete: as queue.declare gives them.
+          arguments: its limits and flow thresholds (qflow.broker.settings).
+          passive: only find it; create nothing.
+          owner: the declaring session (None: the management API or the store).
+          recovered: declared by the store from the data directory.
+
+        Raises:
+          CommandError: NOT_FOUND (``passive``, no such queue), INVALID_ARGUMENT
+            (a bad name or argument), RESOURCE_LOCKED (exclusive to another
+            session), or the store's refusal to record it.
+        """
         arguments = {} if arguments is None else arguments
         if not recovered:  # the store warns of those a queue was declared with before they were refused
             refuse_unsupported(f"queue.declare {name!r}", "queue", arguments)
@@ -672,7 +734,17 @@ class Broker:
         exactly as a declare of them would be (qflow.broker.settings), so a live
         queue never has thresholds a declare could not give it: a key the
         change leaves out keeps its value, and a threshold no key names is
-        pre-filled from the broker defaults again."""
+        pre-filled from the broker defaults again.
+
+        Args:
+          q: the queue.
+          arguments: the keys to change.
+          by: the session asking (None: the management API).
+
+        Raises:
+          CommandError: INVALID_ARGUMENT (nothing is changed), RESOURCE_LOCKED,
+            or the store's refusal to record it.
+        """
         self.check_owner(q, "queue.modify", by)
         refuse_unsupported(f"queue.modify {q.name!r}", "queue", arguments)
         merged = {**q.arguments, **arguments}
@@ -696,7 +768,16 @@ class Broker:
 
     def delete_queue(self, name: str, if_empty: bool = False, if_unused: bool = False,
                      by: BrokerSession | None = None) -> int:
-        """Delete queue ``name`` at the request of session ``by`` (None: the management API)."""
+        """Delete queue ``name`` at the request of session ``by`` (None: the management API).
+
+        Returns:
+          How many messages it had.
+
+        Raises:
+          CommandError: NOT_FOUND, RESOURCE_LOCKED, PRECONDITION_FAILED
+            (``if_empty`` or ``if_unused`` did not hold), or the store's
+            refusal to record it; nothing is deleted then.
+        """
         q = self.queue("queue.delete", name)
         self.check_owner(q, "queue.delete", by)
         if if_empty and q.count:
@@ -760,7 +841,14 @@ class Broker:
         """Dequeue every available message with a sequence number up to and
         including ``sequence`` (a browsing reader's commit). Dequeuing releases
         held producers exactly as consuming does. Acquired messages stay with
-        their consumers."""
+        their consumers.
+
+        Returns:
+          How many were removed.
+
+        Raises:
+          CommandError: NOT_FOUND or RESOURCE_LOCKED.
+        """
         return finish(self.remove_through_steps(name, sequence, by))
 
     def remove_through_steps(self, name: str, sequence: int, by: BrokerSession | None = None) -> Steps:
@@ -789,7 +877,12 @@ class Broker:
     def available(self, name: str, after: int, limit: int, by: BrokerSession | None = None) -> dict[str, Any]:
         """Which messages a browsing reader may plan to read: the sequence
         numbers of the first ``limit`` (-1: all) available messages above
-        ``after``, with the queue's incarnation and sequence bounds."""
+        ``after``, with the queue's incarnation and sequence bounds.
+
+        Raises:
+          CommandError: NOT_FOUND, RESOURCE_LOCKED, or INVALID_ARGUMENT for a
+            negative ``after`` or a ``limit`` below -1.
+        """
         return finish(self.available_steps(name, after, limit, by))
 
     def available_steps(self, name: str, after: int, limit: int, by: BrokerSession | None = None,
@@ -826,7 +919,15 @@ class Broker:
                          by: BrokerSession | None = None) -> int:
         """Dequeue exactly the available messages of ``name`` numbered in
         ``sequences`` (a browsing reader's commit of what it read), provided the
-        queue is still the ``incarnation`` that numbered them."""
+        queue is still the ``incarnation`` that numbered them.
+
+        Returns:
+          How many were removed.
+
+        Raises:
+          CommandError: NOT_FOUND, RESOURCE_LOCKED, or PRECONDITION_FAILED if
+            the queue is another incarnation (nothing is removed).
+        """
         return finish(self.remove_sequences_steps(name, incarnation, sequences, by))
 
     def remove_sequences_steps(self, name: str, incarnation: str, sequences: RangeSet,
@@ -858,7 +959,14 @@ class Broker:
         return n
 
     def purge_queue(self, name: str, by: BrokerSession | None = None) -> int:
-        """Purge ``name`` at once (the management API); see :meth:`purge_steps`."""
+        """Purge ``name`` at once (the management API); see :meth:`purge_steps`.
+
+        Returns:
+          How many messages were removed.
+
+        Raises:
+          CommandError: NOT_FOUND or RESOURCE_LOCKED.
+        """
         return finish(self.purge_steps(name, by))
 
     def purge_steps(self, name: str, by: BrokerSession | None = None) -> Steps:
@@ -893,6 +1001,7 @@ class Broker:
         return n
 
     def queue_stats(self, q: Queue) -> dict[str, Any]:
+        """``q``'s statistics with the QMF names, its flow state and worst case included."""
         count, nbytes, flow_on, stopped_count, held = self.completion.stats(q)
         s = q.settings
         stats = q.stats()
@@ -904,9 +1013,18 @@ class Broker:
         return stats
 
     def worst_case(self, q: Queue) -> int:
+        """The manual's worst case of ``q`` (worstCaseDepth): its stop threshold plus the capacities
+        of the senders writing to it now (0 without a count threshold)."""
         return self.limits[q].worst_case(q.settings)
 
     def declare_exchange(self, name: str, type_: str, durable: bool = False, passive: bool = False) -> bool:
+        """Declare the exchange ``name`` unless it exists; whether it was created.
+
+        Raises:
+          CommandError: INVALID_ARGUMENT (a bad name or type), NOT_FOUND
+            (``passive``, no such exchange), NOT_ALLOWED (it exists with another
+            type, or the name starts with ``amq.``), or the store's refusal.
+        """
         self._check_name("exchange", name)
         ex = self.exchanges.get(name)
         if ex is not None:
@@ -925,6 +1043,13 @@ class Broker:
         return True
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
+        """Delete the exchange ``name`` and its bindings.
+
+        Raises:
+          CommandError: NOT_FOUND, NOT_ALLOWED (a built-in exchange),
+            PRECONDITION_FAILED (``if_unused`` and it has bindings), or the
+            store's refusal; nothing is deleted then.
+        """
         ex = self.exchanges.get(name)
         if ex is None:
             raise CommandError(P.NOT_FOUND, f"exchange.delete: exchange {name!r} not found")
@@ -938,6 +1063,13 @@ class Broker:
         del self.exchanges[name]
 
     def bind(self, exchange: str, queue: str, key: str, unbind: bool = False, by: BrokerSession | None = None) -> bool:
+        """Bind ``queue`` to ``exchange`` with ``key`` (or remove that binding,
+        if ``unbind``) at the request of session ``by``; whether anything changed.
+
+        Raises:
+          CommandError: NOT_FOUND (no such exchange or queue), NOT_ALLOWED (the
+            default exchange), RESOURCE_LOCKED, or the store's refusal.
+        """
         command = "exchange.unbind" if unbind else "exchange.bind"
         ex = self.exchanges.get(exchange)
         if ex is None:
@@ -959,6 +1091,7 @@ class Broker:
         return exists if unbind else not exists
 
     def bindings(self) -> list[dict[str, str]]:
+        """Every binding but the default exchange's, as ``{"exchange", "queue", "key"}``."""
         return [{"exchange": ex.name, "queue": q.name, "key": key}
                 for ex in self.exchanges.values() if ex.name for key, q in ex.bindings()]
 
@@ -1006,6 +1139,7 @@ class Broker:
         return c
 
     def remove_consumer(self, c: Consumer) -> None:
+        """End the subscription ``c``; an auto-delete queue whose last consumer it was is deleted."""
         q = c.queue
         c.session.consumers.pop(c.destination, None)
         if c in q.consumers:

@@ -351,6 +351,10 @@ class Connection:
         seconds), then the tasks end and the socket closes. Incomplete
         commands and waiting calls fail with ConnectionClosed. Calling it
         again waits for the first call's end and does nothing more.
+
+        Args:
+          accept_fetched: accept what auto-accept receivers fetched first
+            (False: the broker puts it back).
         """
         if self._close_started:
             with trio.CancelScope(shield=True):

@@ -199,7 +199,11 @@ def columns(messages: Sequence[ReceivedMessage]) -> tuple[list[bytes], list[str]
     reader that wants every field of every message (a table, a data frame):
     one decoder for all, and messages that share their exchange, routing key
     and properties (a run sent with send_many) decode them once and share the
-    properties dict, which the caller must therefore not change."""
+    properties dict, which the caller must therefore not change.
+
+    Args:
+      messages: received messages, from any receivers.
+    """
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     bodies: list[bytes] = []
     exchanges: list[str] = []
@@ -289,7 +293,14 @@ def arrow_columns(messages: Sequence[ReceivedMessage]) -> tuple[Any, Any, Any, A
     properties are ``heads[head_index[i]]`` (each distinct head decoded once).
     Built from the runs' bytes by Arrow, with no Python work per message for
     messages that arrived in order and share their head (a run sent with
-    send_many). Needs pyarrow."""
+    send_many). Needs pyarrow.
+
+    Args:
+      messages: received messages, from any receivers.
+
+    Raises:
+      ImportError: pyarrow is not installed.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -271,10 +271,7 @@ class Receiver:
         Raises:
           ConnectionClosed: if the session or its connection ended.
         """
-        ids = RangeSet()
-        for m in messages:
-            ids.add(m.delivery_id)
-        self.session.accept(ids)
+        self.session.accept(_delivery_ids(messages))
 
     def release(self, messages: list[ReceivedMessage]) -> None:
         """Release ``messages``: the broker puts them back in their places in
@@ -283,10 +280,7 @@ class Receiver:
         Raises:
           ConnectionClosed: if the session or its connection ended.
         """
-        ids = RangeSet()
-        for m in messages:
-            ids.add(m.delivery_id)
-        self.session.release(ids)
+        self.session.release(_delivery_ids(messages))
 
     async def close(self) -> None:
         """Accept what was fetched (``accept="auto"``) and cancel the
@@ -297,3 +291,11 @@ class Receiver:
         """
         self._flush_acks()
         await self.session.cancel(self.destination)
+
+
+def _delivery_ids(messages: list[ReceivedMessage]) -> RangeSet:
+    """The delivery numbers of ``messages``, as message.accept and message.release take them."""
+    ids = RangeSet()
+    for m in messages:
+        ids.add(m.delivery_id)
+    return ids

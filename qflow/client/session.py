@@ -231,11 +231,15 @@ class Session:
         """
         self._send_command(P.SENDER_CAPACITY, sum(s.capacity for s in self.senders if not s.closed))
 
-    # add_credit, accept and release are _send_command inlined: with capacity 1 or
+    # add_credit and accept are _send_command inlined: with capacity 1 or
     # ack_frequency 1, or an accept per message, they are called once per message.
     def add_credit(self, destination: str, messages: int) -> None:
         """Let the broker send ``messages`` more to the subscription
         ``destination`` (message.flow).
+
+        Args:
+          destination: the subscription's destination (its receiver's).
+          messages: how many more messages it may be sent.
 
         Raises:
           ConnectionClosed: if the session has ended.
@@ -250,6 +254,9 @@ class Session:
         """Accept the deliveries numbered ``ids`` (message.accept): the broker
         removes their messages from their queues.
 
+        Args:
+          ids: the deliveries' numbers in this session.
+
         Raises:
           ConnectionClosed: if the session has ended.
         """
@@ -263,19 +270,21 @@ class Session:
         """Release the deliveries numbered ``ids`` (message.release): the
         broker puts their messages back, marked redelivered.
 
+        Args:
+          ids: the deliveries' numbers in this session.
+
         Raises:
           ConnectionClosed: if the session has ended.
         """
-        if self.error is not None:
-            raise self.error
-        self.commands.send(None)
-        self.conn.encoder.write([P.RELEASE, self.channel, ids.to_wire()])
-        self.conn.wake()
+        self._send_command(P.RELEASE, ids.to_wire())  # once per release call, not per message: not inlined
 
     async def cancel(self, destination: str) -> None:
         """Cancel the subscription ``destination`` (message.cancel) and wait
         for the broker to have done it; its receiver is then no longer this
         session's.
+
+        Args:
+          destination: the subscription's destination (its receiver's).
 
         Raises:
           NotFound: if the session has no such subscription.
@@ -340,8 +349,16 @@ class Session:
         """Remove every available message of the queue ``name`` with a
         sequence number up to and including ``sequence``.
 
+        Args:
+          name: the queue's name.
+          sequence: the last sequence number to remove.
+
         Returns:
           How many were removed.
+
+        Raises:
+          NotFound: there is no such queue.
+          ConnectionClosed: if the session has ended.
         """
         return (await self._call(P.QUEUE_REMOVE_THROUGH, name, sequence))["messages"]
 
@@ -350,12 +367,18 @@ class Session:
         ``after``.
 
         Args:
+          name: the queue's name.
           after: only sequence numbers above this.
           limit: at most this many (-1: all).
 
         Returns:
           ``{"incarnation", "sequences", "firstSequence", "lastSequence"}``,
           ``sequences`` as a RangeSet.
+
+        Raises:
+          NotFound: there is no such queue.
+          InvalidArgument: ``after`` is negative or ``limit`` below -1.
+          ConnectionClosed: if the session has ended.
         """
         result = await self._call(P.QUEUE_AVAILABLE, name, after, limit)
         result["sequences"] = RangeSet.from_wire(result["sequences"])
@@ -368,12 +391,19 @@ class Session:
         More than MAX_RANGES ranges go in several commands, in order: a
         refusal of a later one leaves the earlier ones' removals done.
 
+        Args:
+          name: the queue's name.
+          incarnation: the queue's incarnation, as :meth:`available` returned it.
+          sequences: the sequence numbers to remove.
+
         Returns:
           How many were removed.
 
         Raises:
+          NotFound: there is no such queue.
           PreconditionFailed: the queue is not ``incarnation`` (deleted and
             declared again); nothing is removed.
+          ConnectionClosed: if the session has ended.
         """
         wire = sequences.to_wire()
         step = 2 * MAX_RANGES
@@ -383,14 +413,25 @@ class Session:
         return removed
 
     async def list_queues(self) -> list[str]:
-        """The names of the broker's queues (those this user may access)."""
+        """The names of the broker's queues (those this user may access).
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
         return (await self._call(P.QUEUE_LIST))["queues"]
 
     async def purge_queue(self, name: str) -> dict[str, Any]:
         """Remove every message available on the queue ``name`` now.
 
+        Args:
+          name: the queue's name.
+
         Returns:
           ``{"messages": n}``: how many were removed.
+
+        Raises:
+          NotFound: there is no such queue.
+          ConnectionClosed: if the session has ended.
         """
         return await self._call(P.QUEUE_PURGE, name)
 
@@ -398,8 +439,12 @@ class Session:
         """The statistics of the queue ``name``, with the QMF names
         (``msgDepth``, ``flowStopped``, ...).
 
+        Args:
+          name: the queue's name.
+
         Raises:
           NotFound: there is no such queue.
+          ConnectionClosed: if the session has ended.
         """
         return await self._call(P.QUEUE_QUERY, name)
 
@@ -407,10 +452,16 @@ class Session:
         """Change the limits or flow thresholds of the queue ``name`` while it is in use.
 
         Args:
+          name: the queue's name.
           arguments: the arguments to change, as ``declare_queue`` takes them.
 
         Returns:
           Its statistics afterwards, as ``query_queue``.
+
+        Raises:
+          NotFound: there is no such queue.
+          InvalidArgument: an argument the queue cannot take; nothing is changed.
+          ConnectionClosed: if the session has ended.
         """
         return await self._call(P.QUEUE_MODIFY, name, arguments)
 
@@ -419,6 +470,7 @@ class Session:
         """Declare the exchange ``name``: create it unless it exists.
 
         Args:
+          name: the exchange's name.
           type: ``direct``, ``fanout`` or ``topic``.
           durable: kept across a broker restart.
           passive: only check that it exists; create nothing.
@@ -428,24 +480,64 @@ class Session:
 
         Raises:
           NotFound: ``passive``, and there is no such exchange.
+          NotAllowed: it exists with another type, or ``name`` starts with ``amq.``.
+          InvalidArgument: an unknown type, or a name that is not 1 to 255 bytes.
+          ConnectionClosed: if the session has ended.
         """
         return await self._call(P.EXCHANGE_DECLARE, name, type, durable, passive)
 
     async def delete_exchange(self, name: str, *, if_unused: bool = False) -> None:
-        """Delete the exchange ``name`` (``if_unused``: only if no queue is bound to it)."""
+        """Delete the exchange ``name``.
+
+        Args:
+          name: the exchange's name.
+          if_unused: only if no queue is bound to it.
+
+        Raises:
+          NotFound: there is no such exchange.
+          NotAllowed: it is one of the broker's built-in exchanges.
+          PreconditionFailed: ``if_unused``, and a queue is bound to it.
+          ConnectionClosed: if the session has ended.
+        """
         await self._call(P.EXCHANGE_DELETE, name, if_unused)
 
     async def bind(self, exchange: str, queue: str, key: str = "") -> None:
-        """Bind ``queue`` to ``exchange`` with the binding key ``key``."""
+        """Bind ``queue`` to ``exchange`` with the binding key ``key``.
+
+        Args:
+          exchange: the exchange's name.
+          queue: the queue's name.
+          key: the binding key (a topic exchange's may hold ``*`` and ``#``).
+
+        Raises:
+          NotFound: there is no such exchange or queue.
+          NotAllowed: ``exchange`` is the default exchange, whose bindings are fixed.
+          ConnectionClosed: if the session has ended.
+        """
         await self._call(P.EXCHANGE_BIND, exchange, queue, key)
 
     async def unbind(self, exchange: str, queue: str, key: str = "") -> None:
-        """Remove the binding of ``queue`` to ``exchange`` with ``key``."""
+        """Remove the binding of ``queue`` to ``exchange`` with ``key``.
+
+        Args:
+          exchange: the exchange's name.
+          queue: the queue's name.
+          key: the binding key it was bound with.
+
+        Raises:
+          NotFound: there is no such exchange or queue.
+          NotAllowed: ``exchange`` is the default exchange, whose bindings are fixed.
+          ConnectionClosed: if the session has ended.
+        """
         await self._call(P.EXCHANGE_UNBIND, exchange, queue, key)
 
     async def sync(self) -> None:
         """Wait until every command this session sent so far is complete
-        (execution.sync), its senders' transfers included."""
+        (execution.sync), its senders' transfers included.
+
+        Raises:
+          ConnectionClosed: if the session has ended.
+        """
         await self._call(P.SYNC)
 
     def sender(self, address: str, *, capacity: int = 1000, rate: float | None = None,

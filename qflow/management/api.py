@@ -131,6 +131,7 @@ class Pending:
         self.answered: Callable[[Response], None] | None = None  # told the Response (the change's log line)
 
     def step(self) -> Response | None:
+        """Run one step and end the broker's batch; the Response after the last step, else None."""
         try:
             next(self.steps)
         except StopIteration as stop:
@@ -172,7 +173,12 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; an empty body is ``{}``. Raises ApiError(400)."""
+    """The request body as a JSON object; an empty body is ``{}``.
+
+    Raises:
+      ApiError: 400, saying what is wrong, for a body that is not UTF-8 JSON
+        holding one object (NaN and Infinity refused).
+    """
     if not body.strip():
         return {}
     try:
@@ -356,17 +362,25 @@ def _match(segments: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 class ManagementApi:
-    """Routes management requests to the live broker. No I/O.
+    """The management API: each request routed to the live broker. No I/O.
 
-    ``server`` is the protocol server (anything with ``connections``, each
-    having ``peer``, ``name``, ``sessions`` and ``connected_at`` in trio time);
-    ``options`` are the daemon's settings to report under ``/api/broker``;
-    ``store`` is the durable message store (anything with ``stats()``, as
-    qflow.store.message_store.MessageStore), None without a data directory;
-    ``memory`` the memory alarm (qflow.broker.memory_alarm.MemoryAlarm), None: none;
-    ``reload_acl`` reads the ACL file again and puts it in force, returning
-    what to report (it raises ValueError, saying why, for a file it refuses),
-    None: no ACL file.
+    One method a route (``_ROUTES``), taking the NAME of its path (if it has
+    one), ``query`` (the query parameters) and ``body`` (the request body);
+    :meth:`handle` finds it, and turns what it raises (ApiError, the ACL's
+    refusal, the broker's CommandError) into the response that says why.
+
+    Args:
+      broker: the broker it reads and changes.
+      server: the protocol server (anything with ``connections``, each having
+        ``peer``, ``name``, ``sessions`` and ``connected_at`` in trio time).
+      options: the daemon's settings, reported under ``/api/broker``.
+      clock: the wall clock (tests give their own).
+      store: the durable message store (anything with ``stats()``, as
+        qflow.store.message_store.MessageStore); None without a data directory.
+      memory: the memory alarm (qflow.broker.memory_alarm.MemoryAlarm); None: none.
+      reload_acl: reads the ACL file again and puts it in force, returning
+        what to report (it raises ValueError, saying why, for a file it
+        refuses); None: no ACL file.
     """
 
     def __init__(self, broker: Broker, server: Any = None, options: dict[str, Any] | None = None,
@@ -394,7 +408,15 @@ class ManagementApi:
         answered with an EventStream, whose events the server writes. A change (any method but
         GET and HEAD) is logged at info with who asked (``peer``, the HTTP
         client's address, and ``user``) and whether it was made or refused.
-        ``accept`` is the request's Accept header (``/metrics`` heeds it)."""
+
+        Args:
+          method: the HTTP method (HEAD is answered as GET).
+          target: the request target, path and query, as it arrived.
+          body: the request body.
+          user: the authenticated user (``anonymous`` without ``--auth``).
+          peer: the HTTP client's address, for the log.
+          accept: the request's Accept header (``/metrics`` heeds it).
+        """
         response = self.handle_in_steps(method, target, body, user, peer, accept)
         while type(response) is Pending:
             response = response.step() or response
@@ -489,6 +511,7 @@ class ManagementApi:
         return q
 
     def list_queues(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/queues: every queue's view that this user may access."""
         self._no_query(query)
         views = queue_views(self.broker)
         if self.broker.acl is not None:
@@ -496,6 +519,7 @@ class ManagementApi:
         return json_response(200, views)
 
     def get_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/queues/NAME: the queue's view (404 if there is none)."""
         self._no_query(query)
         self._allow("access", "queue", {"name": name})
         return json_response(200, queue_view(self.broker, self._queue(name)))
@@ -537,6 +561,7 @@ class ManagementApi:
         return json_response(200, queue_view(self.broker, q))
 
     def delete_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Pending:
+        """DELETE /api/queues/NAME[?if_empty&if_unused]: delete it, its messages let go of in steps."""
         self._no_query(query, ("if_empty", "if_unused"))
         self._no_body(body)
         self._allow("delete", "queue", {"name": name})
@@ -546,6 +571,7 @@ class ManagementApi:
                        lambda messages: json_response(200, {"queue": name, "deleted": True, "messages": messages}))
 
     def purge_queue(self, name: str, *, query: dict[str, str], body: bytes) -> Pending:
+        """POST /api/queues/NAME/purge: remove the messages available now, in steps."""
         self._no_query(query)
         self._no_body(body)
         self._allow("purge", "queue", {"name": name})
@@ -555,6 +581,7 @@ class ManagementApi:
 
     # -- exchanges and bindings -----------------------------------------------
     def list_exchanges(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/exchanges: every exchange's view that this user may access."""
         self._no_query(query)
         views = exchange_views(self.broker)
         if self.broker.acl is not None:
@@ -562,6 +589,7 @@ class ManagementApi:
         return json_response(200, views)
 
     def get_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/exchanges/NAME: the exchange's view (404 if there is none)."""
         self._no_query(query)
         self._allow("access", "exchange", {"name": name or "amq.default"})
         ex = self.broker.exchanges.get(name)
@@ -570,6 +598,7 @@ class ManagementApi:
         return json_response(200, exchange_view(ex))
 
     def put_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        """PUT /api/exchanges/NAME ``{"type", "durable"}``: declare it; 201 created, 200 if it existed."""
         self._no_query(query)
         fields = _fields(parse_json_object(body), ("type", "durable", "arguments"))
         type_ = _get(fields, "type", str, required=True)
@@ -588,6 +617,7 @@ class ManagementApi:
         return json_response(201 if created else 200, exchange_view(self.broker.exchanges[name]))
 
     def delete_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        """DELETE /api/exchanges/NAME[?if_unused]: delete it and its bindings."""
         self._no_query(query, ("if_unused",))
         self._no_body(body)
         self._allow("delete", "exchange", {"name": name})
@@ -595,6 +625,7 @@ class ManagementApi:
         return json_response(200, {"exchange": name, "deleted": True})
 
     def list_bindings(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/bindings: every binding of an exchange this user may access."""
         self._no_query(query)
         views = binding_views(self.broker)
         if self.broker.acl is not None:
@@ -614,12 +645,14 @@ class ManagementApi:
                 _get(fields, "key", str, ""))
 
     def add_binding(self, *, query: dict[str, str], body: bytes) -> Response:
+        """POST /api/bindings ``{"exchange", "queue", "key"}``: bind; 201 if new, 200 if it existed."""
         exchange, queue, key = self._binding(query, body)
         self._allow("bind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
         changed = self.broker.bind(exchange, queue, key)
         return json_response(201 if changed else 200, {"exchange": exchange, "queue": queue, "key": key})
 
     def delete_binding(self, *, query: dict[str, str], body: bytes) -> Response:
+        """DELETE /api/bindings (fields in the body or the query): unbind; 404 if not bound."""
         exchange, queue, key = self._binding(query, body)
         self._allow("unbind", "exchange", {"name": exchange, "queuename": queue, "routingkey": key})
         if not self.broker.bind(exchange, queue, key, unbind=True):
@@ -629,6 +662,7 @@ class ManagementApi:
 
     # -- connections, broker, metrics -------------------------------------------
     def list_connections(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/connections: the protocol connections (only the user's own without ``access broker``)."""
         self._no_query(query)
         views = connection_views(self.broker, self.server, self._clock(), _trio_now())
         if not self._may("access", "broker", {}):  # isolation: one's own connections only
@@ -649,6 +683,7 @@ class ManagementApi:
         return json_response(200, {"connection": peer, "closed": True})
 
     def list_subscriptions(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/subscriptions: the subscriptions (only the user's own without ``access broker``)."""
         self._no_query(query)
         views = subscription_views(self.server)
         if not self._may("access", "broker", {}):  # isolation, as for connections: one's own only
@@ -661,11 +696,13 @@ class ManagementApi:
                            self.store, self.memory)
 
     def get_broker(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/broker: the broker's view (options, totals, store, memory alarm)."""
         self._no_query(query)
         self._allow("access", "broker", {})
         return json_response(200, self.broker_view())
 
     def get_log_level(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api/broker/log-level: the broker's log level now."""
         self._no_query(query)
         self._allow("access", "broker", {})
         return json_response(200, {"level": logging.getLevelName(logging.getLogger().level).lower()})
@@ -682,6 +719,7 @@ class ManagementApi:
         return json_response(200, {"level": level.lower()})
 
     def index(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /api: the API's name, version and endpoints."""
         self._no_query(query)
         seen: dict[str, list[str]] = {}
         for method, pattern, _ in _ROUTES:
@@ -692,10 +730,12 @@ class ManagementApi:
 
     # -- the web console ------------------------------------------------------------
     def console(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /: the web console's page."""
         self._no_query(query)
         return self.console_asset("index.html", query=query, body=body)
 
     def console_asset(self, name: str, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /console/NAME: one of the web console's files (404 if there is none)."""
         self._no_query(query)
         found = asset(name)
         if found is None:
@@ -759,6 +799,7 @@ class ManagementApi:
         return {"time": iso(self._clock()), "user": user, "broker": broker, "connections": connections}
 
     def metrics(self, *, query: dict[str, str], body: bytes) -> Response:
+        """GET /metrics: the Prometheus metrics, OpenMetrics if the Accept header asks for it."""
         self._no_query(query)
         self._allow("access", "broker", {})
         queues = queue_views(self.broker)  # built once: the totals and the per-queue samples share them

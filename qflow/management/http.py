@@ -190,11 +190,7 @@ class ManagementServer:
                 await self._connection(stream, client)
             finally:
                 self.active -= 1
-                left = self.per_client[client] - 1
-                if left:
-                    self.per_client[client] = left
-                else:
-                    del self.per_client[client]
+                _leave(self.per_client, client)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # the client went away: nothing to answer
         except Exception:
@@ -296,11 +292,7 @@ class ManagementServer:
                 await trio.sleep(events.interval)
         finally:
             self.streams -= 1
-            left = self.streams_per_client[client] - 1
-            if left:
-                self.streams_per_client[client] = left
-            else:
-                del self.streams_per_client[client]
+            _leave(self.streams_per_client, client)
 
     async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream, received: list[bool],
                             local: str | None, peer: str
@@ -436,3 +428,13 @@ def _reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
+
+
+def _leave(counts: dict[str, int], client: str) -> None:
+    """One of ``client``'s connections or streams ended: its count falls, and
+    goes once it is 0, so the table holds only the peers connected now."""
+    left = counts[client] - 1
+    if left:
+        counts[client] = left
+    else:
+        del counts[client]

@@ -10,7 +10,7 @@ OpenMetrics names a counter's family without its ``_total`` (``# TYPE
 qflow_queue_flow_stops counter``) and ends with ``# EOF``; the 0.0.4 format
 names the family as its samples are named, and a 0.0.4 reader takes a family
 without samples of its own name as another metric. A scraper that asks for
-nothing in particular (curl) gets 0.0.4, as before.
+nothing in particular (curl) gets 0.0.4.
 
 No gauge shares a family name with a counter once the counter's ``_total`` is
 taken off (OpenMetrics forbids it, and parsers of either format that take it

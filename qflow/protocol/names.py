@@ -4,8 +4,8 @@ chose is written into a log line.
 A name is 1 to 255 bytes of UTF-8 (the limit of AMQP 0-10's str8, which Qpid
 and RabbitMQ keep) with no control character: a newline in a name would let
 a client forge whole lines in the broker's log, and a terminal escape would
-act on whoever reads ``qflow-stat``. Names the broker already holds (from a
-data directory written before this rule) are kept: the rule is applied where
+act on whoever reads ``qflow-stat``. Names the broker already holds (recovered
+from a data directory) are kept whatever they hold: the rule is applied where
 a client asks for a new name, never on recovery.
 """
 

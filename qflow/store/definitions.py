@@ -38,8 +38,8 @@ The framing is the journal's (docs/store.md)::
 
 **Recovery** reads the records in order and stops at the first bad one (short,
 bad length, crc mismatch, or not a record we know), keeps everything before it
-and logs what it dropped and why, with the offset: the rule the issue sets for
-the message journal. A torn record can only be the change whose command never
+and logs what it dropped and why, with the offset: the same rule as the
+message journal's. A torn record can only be the change whose command never
 completed. The damaged file is kept beside the new one
 (``config.log.damaged-TIME``) for inspection. A first record that is not our
 header is not a torn write (the log is created whole by a rename): qflowd then

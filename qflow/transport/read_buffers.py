@@ -9,7 +9,7 @@ its pages. Measured on qflowd with one producer and one consumer of 300,000
 the threshold raised, and 5 % more broker CPU.
 
 glibc raises the threshold by itself once the program frees a large block,
-which qflow's first 1 MiB decoder buffers used to do by accident. This sets
+so left alone it depends on which buffers happen to be freed. This sets
 it on purpose, to a size glibc's own rule reaches (it allows up to 32 MiB):
 4 MiB, so reads and joined writes stay in the heap, and a trim threshold of
 twice that, as glibc's rule pairs them. Nothing is done off glibc, or when
