@@ -393,3 +393,29 @@ def test_garbage_after_the_amqp_header_closes_with_a_reason(qflowd: Daemon) -> N
     assert b"amqp:" in data  # a close frame with its condition
 
 
+
+
+def test_the_readme_proton_sender_is_held_and_released(qflowd: Daemon) -> None:
+    """The README's proton example, run as it is: held after the stop, released by a drain."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "BlockingConnection" in block]
+    declare(qflowd, "amqp-demo", **{"qpid.flow_stop_count": 10, "qpid.flow_resume_count": 5})
+    proc = subprocess.Popen([sys.executable, "-c", code.replace("5672", str(qflowd.port))], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = []
+        while len(lines) < 10:
+            lines.append(proc.stdout.readline().strip())
+        time.sleep(1)
+        assert proc.poll() is None and stats(qflowd, "amqp-demo")["flowStopped"]  # held
+        got = drain_with_qflow(qflowd, "amqp-demo", 20)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and (lines + out.split("\n"))[19] == "sent 19"
+        assert [m.body for m in got] == [f"m{i}".encode() for i in range(20)]
+    finally:
+        proc.kill()
