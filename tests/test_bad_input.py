@@ -269,11 +269,10 @@ async def test_random_bytes_instead_of_header(daemon, healthy):
 async def test_wrong_protocol_header(daemon, healthy):
     with trio.fail_after(TIMEOUT):
         stream = await trio.open_tcp_stream("127.0.0.1", daemon.port)
-        await stream.send_all(b"AMQP\x00\x00\x09\x01")
-        close = close_after_header(await read_to_eof(stream))
+        await stream.send_all(b"AMQP\x00\x00\x09\x01")  # AMQP 0-9-1: qflowd speaks 1.0
+        answer = await read_to_eof(stream)
         await stream.aclose()
-        assert close[1] == 501
-        assert "AMQP" in close[2] and "protocol header" in close[2]
+        assert answer == b"AMQP\x00\x01\x00\x00"  # the AMQP version it speaks, then the connection is over
     await healthy.check()
 
 

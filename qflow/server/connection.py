@@ -58,14 +58,15 @@ class Connection:
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
                  admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None,
-                 initial: bytes = b"") -> None:
+                 initial: bytes = b"", connected_at: float | None = None) -> None:
         """``budget``: the broker-wide bound on input in unfinished frames, told after each read;
-        ``initial``: its first bytes, read already (to tell its protocol)."""
+        ``initial``: its first bytes, read already (to tell its protocol); ``connected_at``: when
+        it was accepted (its handshake's time counts from then), if not now."""
         self.initial = initial
         self.broker = broker
         self.stream = stream
         self.peer = peer
-        self.connected_at = trio.current_time()
+        self.connected_at = trio.current_time() if connected_at is None else connected_at
         self.pump = ConnectionPump(broker, max_frame_size, self.connected_at, self.wake, self._opened, users,
                                    secret, announce, negotiate_time=negotiate_time, idle_timeout=idle_timeout,
                                    admit=admit, peer=peer)
