@@ -279,7 +279,8 @@ class ProtocolConnection:
         self.peer_name = ""  # a client learns the broker's name from the open-ok
         self.heartbeat = heartbeat  # negotiated once open (a client's request until then; a server's 0)
         self.deliver_runs = False
-        self.decoder = FrameDecoder(max_frame_size, expect_header=role is Role.SERVER)
+        # A broker guards against what untrusted peers' arrays claim (framing.CLAIMED_ARRAY_LEN).
+        self.decoder = FrameDecoder(max_frame_size, expect_header=role is Role.SERVER, guard_claims=role is Role.SERVER)
         self.encoder = FrameEncoder()
         self.sessions: dict[int, Any] = {}
         self.close_frame: list[Any] | None = None

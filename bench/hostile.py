@@ -1,0 +1,168 @@
+"""Attacks on qflowd as a hostile client would make them: ``python bench/hostile.py ATTACK``.
+
+Each starts a fresh qflowd on loopback (or uses ``--broker HOST:PORT`` with
+``--pid`` to measure a running one), runs one attack, and ends with one JSON
+line of what it measured: qflowd's resident set (from /proc/PID/status) before,
+during and after, and for the attacks on latency a probe's worst round trip (a
+second client doing a ``queue.query`` round trip every 50 ms). The tests in
+tests/test_hostile.py run the same attacks, smaller, against their bounds.
+
+    python bench/hostile.py nested-claims [--connections 10] [--depth 1000] [--claim 65535]
+
+* ``nested-claims``: after attaching a session, each connection sends an
+  unfinished transfer whose properties are ``--depth`` nested ``array16(65535)``
+  heads (3 bytes each) and keeps its socket open; then they all close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from qflow import protocol as P  # noqa: E402
+from qflow.protocol.framing import PROTOCOL_HEADER  # noqa: E402
+
+TIMEOUT = 60
+
+
+def rss_kib(pid: int) -> int:
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1))
+
+
+def settled_rss(pid: int, quiet: float = 1.0, timeout: float = 60.0) -> int:
+    """The resident set (KiB) once it has not changed for ``quiet`` seconds."""
+    last, since = rss_kib(pid), time.monotonic()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = rss_kib(pid)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+    return last
+
+
+def raw_session(port: int, name: str = "hostile") -> socket.socket:
+    """A raw connection: header, open, attach on channel 0 (the replies are left unread)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    s.sendall(PROTOCOL_HEADER + msgpack.packb([P.OPEN, {"name": name}]) + msgpack.packb([P.ATTACH, 0, name]))
+    return s
+
+
+def read_frames(s: socket.socket, until: float = TIMEOUT) -> list:
+    """Every frame the broker sends until it closes the socket (or ``until`` seconds pass)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    s.settimeout(until)
+    try:
+        while data := s.recv(65536):
+            unpacker.feed(data)
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return list(unpacker)
+
+
+def nested_claims(depth: int = 1000, claim: int = 65535) -> bytes:
+    """An unfinished transfer on channel 0 whose properties are ``depth`` nested
+    array16(claim) heads: 3 bytes claiming ``claim`` elements each."""
+    return b"\x96\x1e\x00\xa0\xa1q" + (b"\xdc" + claim.to_bytes(2, "big")) * depth
+
+
+class Probe:
+    """A second client doing a round trip (queue.query) every 50 ms; ``worst`` is its slowest, in seconds."""
+
+    def __init__(self, port: int) -> None:
+        self.s = raw_session(port, "probe")
+        self.unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        self.s.sendall(msgpack.packb([P.QUEUE_DECLARE, 0, "probe", False, False, False, {}, False]))
+        self.commands = 1
+        self._wait_result(0)
+        self.worst = 0.0
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _wait_result(self, cid: int) -> None:
+        while True:
+            for frame in self.unpacker:
+                if frame[0] == P.RESULT and frame[2] == cid:
+                    return
+                if frame[0] == P.CLOSE:
+                    raise RuntimeError(f"probe closed: {frame}")
+            data = self.s.recv(65536)
+            if not data:
+                raise RuntimeError("probe: connection closed")
+            self.unpacker.feed(data)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            self.s.sendall(msgpack.packb([P.QUEUE_QUERY, 0, "probe"]))
+            self._wait_result(self.commands)
+            self.commands += 1
+            self.worst = max(self.worst, time.perf_counter() - t)
+            self.rounds += 1
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+        self.s.close()
+
+
+def attack_nested_claims(port: int, pid: int, connections: int, depth: int, claim: int = 65535) -> dict:
+    base = settled_rss(pid)
+    socks = []
+    closed = []
+    for i in range(connections):
+        s = raw_session(port, f"nested-{i}")
+        s.sendall(nested_claims(depth, claim))
+        socks.append(s)
+    held = settled_rss(pid)
+    for s in socks:
+        s.settimeout(2)
+        frames = read_frames(s, 2)
+        closed.append(next((f for f in frames if f[0] == P.CLOSE), None))
+        s.close()
+    after = settled_rss(pid)
+    return {"attack": "nested-claims", "connections": connections, "depth": depth, "claim": claim,
+            "input_bytes_each": len(nested_claims(depth, claim)), "rss_base_kib": base, "rss_held_kib": held,
+            "rss_after_close_kib": after, "grown_per_connection_kib": round((held - base) / connections),
+            "closes": [c for c in closed if c][:1], "closed_by_broker": sum(1 for c in closed if c)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("attack", choices=["nested-claims"])
+    ap.add_argument("--connections", type=int, default=10)
+    ap.add_argument("--depth", type=int, default=1000)
+    ap.add_argument("--claim", type=int, default=65535, help="elements each nested array16 head claims")
+    ap.add_argument("--qflowd-arg", action="append", default=[], help="an extra qflowd argument (repeatable)")
+    args = ap.parse_args()
+    from qflow.testing import start
+    d = start("--no-data-dir", *args.qflowd_arg)
+    try:
+        if args.attack == "nested-claims":
+            out = attack_nested_claims(d.port, d.proc.pid, args.connections, args.depth, args.claim)
+    finally:
+        d.stop()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

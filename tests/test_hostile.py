@@ -1,0 +1,50 @@
+"""Attacks on a real qflowd as a hostile client would make them (the
+attacks themselves are bench/hostile.py's, which measures them at full size):
+each test bounds what the attack costs the broker, in resident memory (from
+/proc) or in another client's worst round trip, with room for a slow,
+crowded machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from qflow import protocol as P
+from tests.conftest import start_qflowd
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("bench_hostile", os.path.join(HERE, "..", "bench", "hostile.py"))
+hostile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostile)
+
+pytestmark = pytest.mark.native_only
+MIB = 1024
+
+
+def test_nested_array_claims_cost_kilobytes_not_megabytes():
+    """Ten connections each send an unfinished transfer whose properties are
+    1,000 nested array16(65535) heads (3 KB): each is closed at once with 506
+    (its claims cannot fit the maximum frame size), and qflowd's resident set
+    grows by a few MB at most (before: 68 MB per connection, 680 MB in all)."""
+    d = start_qflowd("--no-data-dir")
+    try:
+        got = hostile.attack_nested_claims(d.port, d.proc.pid, connections=10, depth=1000)
+        assert got["closed_by_broker"] == 10, got
+        assert got["closes"][0][:2] == [P.CLOSE, P.RESOURCE_LIMIT_EXCEEDED], got
+        assert "maximum frame size" in got["closes"][0][2], got
+        assert got["rss_held_kib"] - got["rss_base_kib"] < 40 * MIB, got
+    finally:
+        d.stop()
+
+
+def test_nested_array_claims_within_the_limit_cost_at_most_their_bound():
+    """Heads of 64 elements (the most taken as they come) nested 1,020 deep
+    are held, at about 600 KiB each: ten connections stay well under 40 MB."""
+    d = start_qflowd("--no-data-dir")
+    try:
+        got = hostile.attack_nested_claims(d.port, d.proc.pid, connections=10, depth=1020, claim=64)
+        assert got["rss_held_kib"] - got["rss_base_kib"] < 40 * MIB, got
+    finally:
+        d.stop()
