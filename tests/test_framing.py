@@ -490,6 +490,23 @@ def test_a_long_array_frame_held_until_whole_counts_in_pending_and_keeps_its_lim
         d.feed(b"x" * MIN_MAX_FRAME_SIZE)
 
 
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guarded"])
+def test_nesting_too_deep_is_refused_naming_it(guard: bool) -> None:
+    """msgpack's Unpacker refuses containers nested more than 1024 deep with
+    an exception that says nothing: the close says what was wrong."""
+    d = FrameDecoder(expect_header=False, guard_claims=guard)
+    d.feed(b"\x91" * 10000 + b"\xc0")
+    with pytest.raises(FramingError, match="nested more than 1024 deep"):
+        list(d.frames())
+
+
+def test_reserved_type_byte_is_named() -> None:
+    d = FrameDecoder(expect_header=False)
+    d.feed(b"\x92\x1e\xc1")
+    with pytest.raises(FramingError, match="0xc1"):
+        list(d.frames())
+
+
 @settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     frames=st.lists(st.one_of(

@@ -48,3 +48,17 @@ def test_nested_array_claims_within_the_limit_cost_at_most_their_bound():
         assert got["rss_held_kib"] - got["rss_base_kib"] < 40 * MIB, got
     finally:
         d.stop()
+
+
+def test_nesting_too_deep_closes_with_a_reason_naming_it():
+    """A transfer whose properties nest 10,000 arrays: the close says why
+    (before: 'malformed frame: ', empty)."""
+    d = start_qflowd("--no-data-dir")
+    try:
+        s = hostile.raw_session(d.port)
+        s.sendall(b"\x96\x1e\x00\xa0\xa1q" + b"\x91" * 10000 + b"\xc0\xc4\x00")
+        close = next(f for f in hostile.read_frames(s) if f[0] == P.CLOSE)
+        s.close()
+        assert close[1] == 501 and "containers nested more than 1024 deep" in close[2], close
+    finally:
+        d.stop()

@@ -211,6 +211,10 @@ class FrameDecoder:
                     return
             except FramingError:
                 raise
+            except msgpack.StackError:
+                raise FramingError(f"malformed frame: containers nested more than {MAX_NESTING} deep") from None
+            except msgpack.FormatError:
+                raise FramingError("malformed frame: not msgpack (a type byte msgpack does not define, 0xc1)") from None
             except ValueError as exc:  # limits exceeded, or malformed data
                 if self._array_len is not None and "exceeds max_array_len" in str(exc):
                     if self._take_whole():
