@@ -9,6 +9,11 @@ tests/test_hostile.py run the same attacks, smaller, against their bounds.
 
     python bench/hostile.py nested-claims [--connections 10] [--depth 1000] [--claim 65535]
 
+* ``disk-full``: qflowd's data directory on a 2 MiB tmpfs (mounted by this
+  script: run it under ``unshare -m``, or ``unshare -rm`` when not root, so
+  that the mount is its own and goes with it); a durable producer fills it
+  until qflowd stops on ENOSPC; then qflowd is started again on the
+  still-full disk, and a consumer drains the queue.
 * ``nested-claims``: after attaching a session, each connection sends an
   unfinished transfer whose properties are ``--depth`` nested ``array16(65535)``
   heads (3 bytes each) and keeps its socket open; then they all close.
@@ -146,14 +151,94 @@ def attack_nested_claims(port: int, pid: int, connections: int, depth: int, clai
             "closes": [c for c in closed if c][:1], "closed_by_broker": sum(1 for c in closed if c)}
 
 
+def attack_disk_full(size: str = "2m") -> dict:
+    """See the module's doc: ``disk-full``. Needs to be able to mount a tmpfs."""
+    import subprocess
+    import tempfile
+
+    import trio
+
+    import qflow
+    from qflow.testing import start
+
+    where = tempfile.mkdtemp(prefix="qflow-diskfull-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], check=True)
+    data = os.path.join(where, "data")
+    out: dict = {"attack": "disk-full", "tmpfs": size}
+
+    async def produce(port: int) -> int:
+        sent = 0
+        try:
+            async with qflow.open_connection("127.0.0.1", port) as conn:
+                ssn = await conn.session()
+                await ssn.declare_queue("q", durable=True)
+                sender = ssn.sender("q", capacity=100, durable=True)
+                with trio.move_on_after(TIMEOUT):
+                    while True:
+                        await sender.send(b"x" * 3000)
+                        sent += 1
+        except (qflow.ConnectionClosed, BaseExceptionGroup):  # the broker stopped: the disk is full
+            pass
+        return sent
+
+    async def consume(port: int) -> int:
+        got = 0
+        async with qflow.open_connection("127.0.0.1", port) as conn:
+            ssn = await conn.session()
+            receiver = await ssn.receiver("q")
+            while True:
+                try:
+                    got += len(await receiver.fetch_many(100, timeout=3))
+                except qflow.Empty:
+                    return got
+
+    logs = [os.path.join(tempfile.gettempdir(), f"qflow-diskfull-{os.getpid()}-{i}.log") for i in range(2)]
+    try:
+        d = start("--data-dir", data, log=logs[0])
+        out["sent"] = trio.run(produce, d.port)
+        try:
+            out["first_exit"] = d.proc.wait(timeout=TIMEOUT)
+        finally:
+            d.stop()
+        stat = os.statvfs(where)
+        out["free_bytes_before_restart"] = stat.f_bavail * stat.f_frsize
+        try:
+            d = start("--data-dir", data, log=logs[1], timeout=TIMEOUT)
+        except Exception as exc:
+            out["restarted"] = False
+            out["restart_error"] = str(exc).splitlines()[-1][:300]
+        else:
+            out["restarted"] = True
+            try:
+                out["recovered"] = trio.run(consume, d.port)
+                time.sleep(1)
+                out["alive_after_drain"] = d.proc.poll() is None
+                stat = os.statvfs(where)
+                out["free_bytes_after_drain"] = stat.f_bavail * stat.f_frsize
+            finally:
+                d.stop()
+            out["restart_log"] = [line[24:] for line in Path(logs[1]).read_text().splitlines()
+                                  if "ERROR" in line or "WARNING" in line]
+    finally:
+        subprocess.run(["umount", "-l", where], check=False)
+        os.rmdir(where)
+        for log in logs:
+            if os.path.exists(log):
+                os.unlink(log)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("attack", choices=["nested-claims"])
+    ap.add_argument("attack", choices=["nested-claims", "disk-full"])
     ap.add_argument("--connections", type=int, default=10)
     ap.add_argument("--depth", type=int, default=1000)
     ap.add_argument("--claim", type=int, default=65535, help="elements each nested array16 head claims")
     ap.add_argument("--qflowd-arg", action="append", default=[], help="an extra qflowd argument (repeatable)")
     args = ap.parse_args()
+    if args.attack == "disk-full":
+        print(json.dumps(attack_disk_full()))
+        return
     from qflow.testing import start
     d = start("--no-data-dir", *args.qflowd_arg)
     try:

@@ -7,7 +7,10 @@ crowded machine."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +65,20 @@ def test_nesting_too_deep_closes_with_a_reason_naming_it():
         assert close[1] == 501 and "containers nested more than 1024 deep" in close[2], close
     finally:
         d.stop()
+
+
+def test_qflowd_restarts_on_the_full_disk_it_stopped_on():
+    """A durable producer fills a 2 MiB tmpfs until qflowd stops (ENOSPC).
+    Started again on the still-full disk, qflowd recovers (before: it died
+    copying the torn tail into dropped/), a consumer drains the queue, and
+    the space comes back. The tmpfs is mounted in a mount namespace of its
+    own (unshare), which goes with the attack's process."""
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    proc = subprocess.run([*unshare, sys.executable, os.path.join(HERE, "..", "bench", "hostile.py"), "disk-full"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["first_exit"] == 1 and got["free_bytes_before_restart"] < 64 * 1024, got
+    assert got["restarted"], got
+    assert got["recovered"] > 0 and got["alive_after_drain"], got
+    assert got["free_bytes_after_drain"] > 1024 * 1024, got

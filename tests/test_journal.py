@@ -558,3 +558,35 @@ def test_a_run_of_enqueues_and_a_batch_of_dequeues_write_what_one_call_each_writ
         [p.read_bytes() for p in sorted(many.glob("*" + SUFFIX))]
     _, got = opened(many)
     assert seqs(got) == {"q": [1, 3, 5, 6, 8], "r": [1]}
+
+
+def test_a_torn_tail_on_a_full_disk_is_cut_without_a_copy(tmp_path, monkeypatch, caplog):
+    """Keeping a copy of the cut bytes needs new space, cutting them does not:
+    on a full disk (ENOSPC from the copy) the recovery cuts the torn tail,
+    says the bytes were not kept, and the journal opens."""
+    import errno
+    j, _ = opened(tmp_path)
+    for s in range(1, 11):
+        j.enqueue("q", entry(s, b"p"))
+        j.commit()
+    j.close()
+    seg = next(tmp_path.glob("*" + SUFFIX))
+    size = seg.stat().st_size
+    with open(seg, "ab") as f:
+        f.write(b"\x40\x00\x00\x00torn")  # a record head claiming 64 bytes, and 4 of them
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with caplog.at_level(logging.ERROR, logger="qflow.store"):
+        j, got = opened(tmp_path)
+    assert seqs(got) == {"q": list(range(1, 11))}
+    assert seg.stat().st_size == size
+    assert "no space to keep a copy of the 8 bytes cut from" in caplog.text
+    assert not any((tmp_path / "dropped").iterdir())
+    monkeypatch.undo()
+    j.enqueue("q", entry(11, b"after"))
+    j.commit()
+    j.close()
+    assert seqs(opened(tmp_path)[1]) == {"q": list(range(1, 12))}

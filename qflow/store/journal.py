@@ -60,6 +60,7 @@ what it knows was delivered, but it records deliveries, and we do not.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -640,26 +641,47 @@ class Journal:
         return result
 
     def _drop(self, number: int, offset: int, length: int, reason: str, later: list[int]) -> None:
+        """Cut segment ``number`` at ``offset`` and set the later segments
+        aside. What is cut off is kept in ``dropped/`` if the disk has room for
+        it; on a full disk it is not (a copy would need new space, and a broker
+        that cannot recover cannot be drained either): the cut and the moves
+        need none."""
         where = self.directory / "dropped"
-        where.mkdir(exist_ok=True)
         path = self._path(number)
         msg = f"{path} at offset {offset} of {length}: {reason}; dropped {length - offset} bytes"
         if later:
             msg += f" and the later segments {', '.join(f'{n:08d}' for n in later)}"
         log.error("journal recovery stopped: %s", msg)
         self.dropped.append(msg)
-        with open(path, "rb") as f:
-            f.seek(offset)
-            (where / f"{number:08d}.at-{offset}").write_bytes(f.read())
+        try:
+            where.mkdir(exist_ok=True)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                tail = f.read()
+            copy = where / f"{number:08d}.at-{offset}"
+            try:
+                copy.write_bytes(tail)
+            except OSError:
+                copy.unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            log.error("journal recovery: no space to keep a copy of the %d bytes cut from %s (%s): they are "
+                      "not kept", length - offset, path, exc.strerror)
+            self.dropped.append(f"{path}: the {length - offset} bytes cut off could not be kept ({exc.strerror})")
         if offset > 0:
             os.truncate(path, offset)
         else:
             os.unlink(path)
         for n in later:
-            os.replace(self._path(n), where / self._path(n).name)
+            # Into dropped/ if it exists; else renamed in place (no new space), out of the journal's way.
+            target = where / self._path(n).name if where.is_dir() else self._path(n).with_name(f"{n:08d}.dropped")
+            os.replace(self._path(n), target)
         fsync_dir(self.directory)
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _HEADER_RECORD_SIZE = _RECORD.size + _HEADER.size
 # The smallest a journal can be: one segment, its header and an empty batch (compact_to_fit's floor).
 SMALLEST_JOURNAL = _HEADER_RECORD_SIZE + _RECORD.size + Batch().payload_size()
