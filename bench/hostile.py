@@ -14,6 +14,10 @@ tests/test_hostile.py run the same attacks, smaller, against their bounds.
   that the mount is its own and goes with it); a durable producer fills it
   until qflowd stops on ENOSPC; then qflowd is started again on the
   still-full disk, and a consumer drains the queue.
+* ``flipped-byte``: 10 batches of 500 persistent messages (each synced) to
+  a durable queue; qflowd stopped; byte 44 of ``journal/00000001.jrn``
+  XORed; qflowd started again; how many messages came back, and the log's
+  lines about the journal.
 * ``nested-claims``: after attaching a session, each connection sends an
   unfinished transfer whose properties are ``--depth`` nested ``array16(65535)``
   heads (3 bytes each) and keeps its socket open; then they all close.
@@ -228,9 +232,59 @@ def attack_disk_full(size: str = "2m") -> dict:
     return out
 
 
+def attack_flipped_byte(batches: int = 10, per_batch: int = 500, offset: int = 44) -> dict:
+    """See the module's doc: ``flipped-byte``."""
+    import shutil
+    import tempfile
+
+    import trio
+
+    import qflow
+    from qflow.testing import start
+
+    data = tempfile.mkdtemp(prefix="qflow-flip-")
+    log = os.path.join(data, "qflowd.log")
+
+    async def produce(port: int) -> None:
+        async with qflow.open_connection("127.0.0.1", port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", durable=True)
+            sender = ssn.sender("q", capacity=per_batch, durable=True)
+            for b in range(batches):
+                await sender.send_many(b"%d.%d" % (b, i) for i in range(per_batch))
+                await sender.sync()
+
+    async def depth(port: int) -> int:
+        async with qflow.open_connection("127.0.0.1", port) as conn:
+            ssn = await conn.session()
+            return (await ssn.query_queue("q"))["msgDepth"]
+
+    try:
+        d = start("--data-dir", os.path.join(data, "d"))
+        try:
+            trio.run(produce, d.port)
+        finally:
+            d.stop()
+        path = Path(data, "d", "journal", "00000001.jrn")
+        raw = bytearray(path.read_bytes())
+        raw[offset] ^= 0x40
+        path.write_bytes(bytes(raw))
+        d = start("--data-dir", os.path.join(data, "d"), log=log)
+        try:
+            recovered = trio.run(depth, d.port)
+        finally:
+            d.stop()
+        lines = [line[24:] for line in Path(log).read_text().splitlines() if "journal" in line and
+                 ("ERROR" in line or "WARNING" in line)]
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    return {"attack": "flipped-byte", "sent": batches * per_batch, "offset": offset, "recovered": recovered,
+            "log": lines}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("attack", choices=["nested-claims", "disk-full"])
+    ap.add_argument("attack", choices=["nested-claims", "disk-full", "flipped-byte"])
     ap.add_argument("--connections", type=int, default=10)
     ap.add_argument("--depth", type=int, default=1000)
     ap.add_argument("--claim", type=int, default=65535, help="elements each nested array16 head claims")
@@ -238,6 +292,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.attack == "disk-full":
         print(json.dumps(attack_disk_full()))
+        return
+    if args.attack == "flipped-byte":
+        print(json.dumps(attack_flipped_byte()))
         return
     from qflow.testing import start
     d = start("--no-data-dir", *args.qflowd_arg)

@@ -82,3 +82,12 @@ def test_qflowd_restarts_on_the_full_disk_it_stopped_on():
     assert got["restarted"], got
     assert got["recovered"] > 0 and got["alive_after_drain"], got
     assert got["free_bytes_after_drain"] > 1024 * 1024, got
+
+
+def test_one_flipped_byte_in_the_journal_costs_one_batch_not_every_later_one():
+    """10 batches of 500 persistent messages, byte 44 of the first journal
+    segment XORed (inside the first batch record): the recovery skips that
+    record, says so, and brings back the others (before: 0 of 5,000)."""
+    got = hostile.attack_flipped_byte()
+    assert got["recovered"] >= 4500, got
+    assert any("at offset 24" in line and "skipped" in line for line in got["log"]), got
