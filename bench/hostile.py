@@ -18,6 +18,12 @@ tests/test_hostile.py run the same attacks, smaller, against their bounds.
   a durable queue; qflowd stopped; byte 44 of ``journal/00000001.jrn``
   XORed; qflowd started again; how many messages came back, and the log's
   lines about the journal.
+* ``auth-flood``: qflowd with ``--auth yes``; ``--threads`` clients guess
+  passwords for ``--duration`` seconds (PLAIN with a wrong password, or with
+  ``--scram`` SCRAM-SHA-256 with a garbage proof), each attempt a new
+  connection, while a probe (authenticated before the flood) does its round
+  trips: attempts per second, qflowd's log lines about them, the probe's
+  worst round trip.
 * ``nested-claims``: after attaching a session, each connection sends an
   unfinished transfer whose properties are ``--depth`` nested ``array16(65535)``
   heads (3 bytes each) and keeps its socket open; then they all close.
@@ -63,10 +69,14 @@ def settled_rss(pid: int, quiet: float = 1.0, timeout: float = 60.0) -> int:
     return last
 
 
-def raw_session(port: int, name: str = "hostile") -> socket.socket:
-    """A raw connection: header, open, attach on channel 0 (the replies are left unread)."""
+def raw_session(port: int, name: str = "hostile", plain: tuple[str, str] | None = None) -> socket.socket:
+    """A raw connection: header, open (ANONYMOUS, or PLAIN with ``plain``'s user
+    and password), attach on channel 0 (the replies are left unread)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-    s.sendall(PROTOCOL_HEADER + msgpack.packb([P.OPEN, {"name": name}]) + msgpack.packb([P.ATTACH, 0, name]))
+    opts: dict = {"name": name}
+    if plain is not None:
+        opts.update(mechanism="PLAIN", response=b"\0" + plain[0].encode() + b"\0" + plain[1].encode())
+    s.sendall(PROTOCOL_HEADER + msgpack.packb([P.OPEN, opts]) + msgpack.packb([P.ATTACH, 0, name]))
     return s
 
 
@@ -91,8 +101,8 @@ def nested_claims(depth: int = 1000, claim: int = 65535) -> bytes:
 class Probe:
     """A second client doing a round trip (queue.query) every 50 ms; ``worst`` is its slowest, in seconds."""
 
-    def __init__(self, port: int) -> None:
-        self.s = raw_session(port, "probe")
+    def __init__(self, port: int, plain: tuple[str, str] | None = None) -> None:
+        self.s = raw_session(port, "probe", plain)
         self.unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
         self.s.sendall(msgpack.packb([P.QUEUE_DECLARE, 0, "probe", False, False, False, {}, False]))
         self.commands = 1
@@ -282,9 +292,92 @@ def attack_flipped_byte(batches: int = 10, per_batch: int = 500, offset: int = 4
             "log": lines}
 
 
+def _guess(port: int, scram: bool) -> None:
+    """One failed attempt on a new connection: PLAIN with a wrong password, or SCRAM with a garbage proof."""
+    import base64
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+        if scram:
+            s.sendall(PROTOCOL_HEADER + msgpack.packb([P.OPEN, {"mechanism": "SCRAM-SHA-256",
+                                                                "response": b"n,,n=alice,r=abcdef"}]))
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    return
+                unpacker.feed(data)
+                frames = list(unpacker)
+                challenge = next((f for f in frames if f[0] == P.SASL_CHALLENGE), None)
+                if challenge is not None:
+                    nonce = challenge[1].decode().split(",")[0][2:]
+                    proof = base64.b64encode(bytes(32)).decode()
+                    s.sendall(msgpack.packb([P.SASL_RESPONSE, f"c=biws,r={nonce},p={proof}".encode()]))
+                    break
+                if any(f[0] == P.CLOSE for f in frames):
+                    return
+        else:
+            s.sendall(PROTOCOL_HEADER + msgpack.packb([P.OPEN, {"mechanism": "PLAIN",
+                                                                "response": b"\0alice\0wrong"}]))
+        while s.recv(65536):
+            pass
+
+
+def attack_auth_flood(threads: int = 4, duration: float = 8.0, scram: bool = False) -> dict:
+    """See the module's doc: ``auth-flood``."""
+    import subprocess
+    import tempfile
+
+    from qflow.testing import start
+
+    where = tempfile.mkdtemp(prefix="qflow-auth-")
+    users = os.path.join(where, "users")
+    subprocess.run([sys.executable, "-m", "qflow.cli.qflow_passwd", "--sasl-db", users, "alice"],
+                   input="right\n", text=True, check=True, capture_output=True)
+    log = os.path.join(where, "qflowd.log")
+    d = start("--no-data-dir", "--auth", "yes", "--sasl-db", users, log=log)
+    attempts = [0] * threads
+    stop = threading.Event()
+
+    def guesser(i: int) -> None:
+        while not stop.is_set():
+            try:
+                _guess(d.port, scram)
+            except OSError:
+                pass
+            attempts[i] += 1
+
+    try:
+        with Probe(d.port, ("alice", "right")) as probe:
+            time.sleep(1)
+            idle = probe.worst
+            probe.worst = 0.0
+            workers = [threading.Thread(target=guesser, args=(i,), daemon=True) for i in range(threads)]
+            t0 = time.monotonic()
+            for w in workers:
+                w.start()
+            time.sleep(duration)
+            stop.set()
+            elapsed = time.monotonic() - t0
+            for w in workers:
+                w.join(TIMEOUT)
+            worst = probe.worst
+    finally:
+        d.stop()
+    text = Path(log).read_text()
+    lines = [line for line in text.splitlines() if "authentication failed" in line]
+    import shutil
+    shutil.rmtree(where, ignore_errors=True)
+    return {"attack": "auth-flood", "mechanism": "SCRAM-SHA-256" if scram else "PLAIN", "threads": threads,
+            "seconds": round(elapsed, 1), "attempts": sum(attempts),
+            "attempts_per_s": round(sum(attempts) / elapsed, 1), "log_lines": len(lines),
+            "probe_idle_worst_ms": round(idle * 1000, 1), "probe_worst_ms": round(worst * 1000, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("attack", choices=["nested-claims", "disk-full", "flipped-byte"])
+    ap.add_argument("attack", choices=["nested-claims", "disk-full", "flipped-byte", "auth-flood"])
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--scram", action="store_true", help="auth-flood: SCRAM-SHA-256 garbage proofs, not PLAIN")
     ap.add_argument("--connections", type=int, default=10)
     ap.add_argument("--depth", type=int, default=1000)
     ap.add_argument("--claim", type=int, default=65535, help="elements each nested array16 head claims")
@@ -292,6 +385,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.attack == "disk-full":
         print(json.dumps(attack_disk_full()))
+        return
+    if args.attack == "auth-flood":
+        print(json.dumps(attack_auth_flood(args.threads, args.duration, args.scram)))
         return
     if args.attack == "flipped-byte":
         print(json.dumps(attack_flipped_byte()))

@@ -25,6 +25,7 @@ from qflow.protocol.framing import READ_SIZE, FramingError
 from qflow.protocol.names import printable
 from qflow.protocol.sasl import Users
 from qflow.protocol.tls import certificate_name, handshake_failure
+from qflow.server.auth_guard import AuthGuard
 from qflow.server.input_budget import InputBudget
 from qflow.server.pump import ConnectionPump
 
@@ -55,8 +56,10 @@ class Connection:
     def __init__(self, broker: Broker, stream: trio.abc.Stream, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
-                 admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None) -> None:
-        """``budget``: the broker-wide bound on input in unfinished frames, told after each read."""
+                 admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None,
+                 auth_guard: AuthGuard | None = None, ip: str = "?") -> None:
+        """``budget``: the broker-wide bound on input in unfinished frames, told after each read;
+        ``auth_guard``: failed authentication per address (``ip``, the peer's), PLAIN's hashing off the loop."""
         self.broker = broker
         self.stream = stream
         self.peer = peer
@@ -78,6 +81,10 @@ class Connection:
         self._reader_scope = trio.CancelScope()
         self.budget = budget
         self.evicted: str | None = None  # why the input budget closed this connection
+        self.auth_guard = auth_guard
+        self.ip = ip
+        if auth_guard is not None:
+            self.pump.defer_password_checks()
 
     # The negotiated values, as the management API reads them.
     name = _negotiated("name")
@@ -133,8 +140,11 @@ class Connection:
                     protocol.connection_lost()  # no TLS session: nothing can be written to it
                     log.warning("connection %s: TLS handshake failed: %s", self.peer, exc)
                 except AuthFailed as exc:
-                    log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
-                                printable(exc.user), exc.detail)
+                    if self.auth_guard is not None:
+                        self.auth_guard.failed(self.ip, self.peer, exc.user, exc.detail)
+                    else:
+                        log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
+                                    printable(exc.user), exc.detail)
                 except ConnectionEnd as exc:
                     self._log_closed(printable(exc.text))
                 except FramingError as exc:
@@ -278,6 +288,10 @@ class Connection:
             await self._handshake(self.stream)
         decoder = self.pump.decoder
         budget = self.budget
+        guard = self.auth_guard
+        if guard is not None:  # an address that failed recently waits its turn before its open is read
+            with trio.move_on_at(protocol.peer_deadline):
+                await guard.wait_turn(self.ip)
         while True:
             with trio.move_on_at(protocol.peer_deadline) as scope:
                 data = await receive(READ_SIZE)
@@ -286,6 +300,9 @@ class Connection:
             if budget is not None:
                 decoder.hold_exact = budget.crowded
             self.pump.receive(data, now())  # b"" (the client is gone) ends it
+            check = self.pump.password_check
+            if check is not None:  # PLAIN: its hashing in a worker thread, the loop serves the others
+                self.pump.finish_password_check(await guard.check_password(check.verifier, check.password))
             if budget is not None:
                 for conn, reason in budget.update(self, decoder.pending):
                     conn.evict(reason)

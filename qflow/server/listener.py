@@ -31,6 +31,7 @@ from qflow.server.admission import (
     send_refusal,
     socket_of,
 )
+from qflow.server.auth_guard import AuthGuard
 from qflow.server.connection import Connection
 from qflow.server.input_budget import InputBudget
 
@@ -52,6 +53,7 @@ class Server:
         self.admission = Admission(self.limits)  # one count over every port (plain and TLS)
         self.throttle = Throttle()
         self.input_budget = InputBudget(self.limits.max_unfinished_input, self.throttle)
+        self.auth_guard = AuthGuard(throttle=self.throttle)  # failed authentication, per address
         self.connections: set[Connection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
@@ -94,7 +96,7 @@ class Server:
                 return
             self.admission.enter(host)
             try:
-                await self._serve(stream, sock, peer)
+                await self._serve(stream, sock, peer, host)
             finally:
                 self.admission.leave(host)
         except Exception as exc:  # MemoryError included: this connection ends, the broker carries on
@@ -115,7 +117,7 @@ class Server:
             socket_of(stream).close()
 
     async def _serve(self, stream: trio.SocketStream | trio.SSLStream, sock: trio.socket.SocketType,
-                     peer: str) -> None:
+                     peer: str, ip: str = "?") -> None:
         admitted: list[str] = []  # the user counted for this connection, once authenticated
 
         def admit(user: str) -> str | None:
@@ -130,7 +132,8 @@ class Server:
 
         conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
                           negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
-                          admit=admit if self.limits.per_user else None, budget=self.input_budget)
+                          admit=admit if self.limits.per_user else None, budget=self.input_budget,
+                          auth_guard=self.auth_guard, ip=ip)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
