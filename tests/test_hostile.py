@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import msgpack
 import pytest
 
 from qflow import protocol as P
@@ -104,3 +105,69 @@ def test_password_guessing_is_slowed_per_address_and_its_log_throttled(scram):
     assert got["attempts"] <= 100, got
     assert got["log_lines"] <= 5, got
     assert got["probe_worst_ms"] < 5000, got  # served throughout (a loose bound: this is not a timing test)
+
+
+def _http(port: int, request: bytes) -> tuple[int, bytes]:
+    """One raw HTTP/1.1 exchange: the status and the body of the first response."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                data.partition(b"content-length: ")[2].split(b"\r\n")[0] or b"0"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
+
+
+def test_the_management_api_refuses_request_smuggling_shapes_and_foreign_absolute_targets():
+    """A request with both Content-Length and Transfer-Encoding (before: 201,
+    the queue made) is refused with 400, and nothing is made; an absolute-form
+    target naming another host (before: answered) is refused with 421, as a
+    foreign Host is; one naming the broker is answered."""
+    d = start_qflowd("--no-data-dir")
+    try:
+        status, body = _http(d.mgmt_port, b"PUT /api/queues/smuggled HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                          b"Content-Type: application/json\r\nContent-Length: 2\r\n"
+                                          b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        assert status == 400 and b"both Content-Length and Transfer-Encoding" in body, (status, body)
+        status, _ = _http(d.mgmt_port, b"GET /api/queues/smuggled HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status == 404
+        status, body = _http(d.mgmt_port, b"GET http://evil.example/api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status == 421 and b"evil.example" in body, (status, body)
+        status, _ = _http(d.mgmt_port, f"GET http://127.0.0.1:{d.mgmt_port}/api/queues HTTP/1.1\r\n"
+                                       "Host: 127.0.0.1\r\n\r\n".encode())
+        assert status == 200
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("char", ["\u202e", "\u2066", "\u200d", "\u200b", "\ufeff"])
+def test_names_with_bidirectional_or_invisible_characters_are_refused_naming_the_character(char):
+    """A queue named with a right-to-left override (or an isolate, a zero-width
+    joiner or space, a BOM) would show in the console as another name: refused
+    over both the messaging protocol and the management API, the character
+    named (before: accepted)."""
+    import urllib.parse
+    d = start_qflowd("--no-data-dir")
+    try:
+        name = f"invoice{char}fdp.exe"
+        s = hostile.raw_session(d.port)
+        s.sendall(msgpack.packb([P.QUEUE_DECLARE, 0, name, False, False, False, {}, False]))
+        s.settimeout(30)
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        reply = None
+        while reply is None:
+            unpacker.feed(s.recv(65536))
+            reply = next((f for f in unpacker if f[0] in (P.EXCEPTION, P.RESULT)), None)
+        s.close()
+        assert reply[0] == P.EXCEPTION and reply[3] == 542, reply
+        assert f"\\u{ord(char):04x}" in reply[4] and "at position 7" in reply[4], reply
+        status, body = _http(d.mgmt_port, f"PUT /api/queues/{urllib.parse.quote(name)} HTTP/1.1\r\n"
+                                          "Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                          "Content-Length: 2\r\n\r\n{}".encode())
+        assert status == 400 and f"\\\\u{ord(char):04x}".encode() in body, (status, body)
+    finally:
+        d.stop()
