@@ -24,6 +24,11 @@ tests/test_hostile.py run the same attacks, smaller, against their bounds.
   connection, while a probe (authenticated before the flood) does its round
   trips: attempts per second, qflowd's log lines about them, the probe's
   worst round trip.
+* ``alarm-flood``: qflowd with ``--memory-high-watermark`` (``--high``, MB),
+  a producer with capacity 1,000,000 sending ``--count`` messages of 4 KiB
+  to a queue that never stops (``qpid.max_size`` 0), alone for 5 s, then with
+  a consumer draining: qflowd's peak resident set (sampled every 50 ms), and
+  whether every message sent was completed and drained.
 * ``nested-claims``: after attaching a session, each connection sends an
   unfinished transfer whose properties are ``--depth`` nested ``array16(65535)``
   heads (3 bytes each) and keeps its socket open; then they all close.
@@ -372,9 +377,87 @@ def attack_auth_flood(threads: int = 4, duration: float = 8.0, scram: bool = Fal
             "probe_idle_worst_ms": round(idle * 1000, 1), "probe_worst_ms": round(worst * 1000, 1)}
 
 
+def attack_alarm_flood(high_mb: int = 100, count: int = 100_000, size: int = 4096, seconds: float = 5.0) -> dict:
+    """See the module's doc: ``alarm-flood``."""
+    import trio
+
+    import qflow
+    from qflow.testing import start
+
+    d = start("--no-data-dir", "--memory-high-watermark", str(high_mb * 1024 * 1024))
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], rss_kib(d.proc.pid))
+            except (OSError, AttributeError):
+                return
+            time.sleep(0.05)
+
+    async def produce(done: trio.Event) -> int:
+        sent = 0
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            sender = ssn.sender("q", capacity=1_000_000)
+            body = b"x" * size
+            while sent < count:
+                await sender.send(body)
+                sent += 1
+            await sender.sync()  # every one completed: taken and enqueued
+        done.set()
+        return sent
+
+    async def drain(done: trio.Event) -> int:
+        got = 0
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            receiver = await ssn.receiver("q")
+            while True:
+                try:
+                    got += len(await receiver.fetch_many(1000, timeout=3))
+                except qflow.Empty:
+                    if done.is_set():
+                        return got
+
+    async def run() -> tuple[int, int]:
+        async with qflow.open_connection("127.0.0.1", d.port) as conn:
+            ssn = await conn.session()
+            await ssn.declare_queue("q", arguments={"qpid.max_size": 0, "qpid.max_count": 0})
+        done = trio.Event()
+        out = {}
+        with trio.fail_after(TIMEOUT * 3):
+            async with trio.open_nursery() as nursery:
+                async def producing() -> None:
+                    out["sent"] = await produce(done)
+
+                async def draining() -> None:
+                    await trio.sleep(seconds)  # the flood first, alone
+                    out["drained"] = await drain(done)
+                nursery.start_soon(producing)
+                nursery.start_soon(draining)
+        return out["sent"], out["drained"]
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        base = rss_kib(d.proc.pid)
+        sampler.start()
+        sent, drained = trio.run(run)
+    finally:
+        stop.set()
+        sampler.join(5)
+        d.stop()
+    return {"attack": "alarm-flood", "high_watermark_mb": high_mb, "message_size": size, "sent": sent,
+            "drained": drained, "rss_base_mb": round(base / 1024), "rss_peak_mb": round(peak[0] / 1024),
+            "peak_over_high_mb": round(peak[0] / 1024 - high_mb)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("attack", choices=["nested-claims", "disk-full", "flipped-byte", "auth-flood"])
+    ap.add_argument("attack", choices=["nested-claims", "disk-full", "flipped-byte", "auth-flood", "alarm-flood"])
+    ap.add_argument("--high", type=int, default=100, help="alarm-flood: the high watermark, MB")
+    ap.add_argument("--count", type=int, default=100_000, help="alarm-flood: messages to send")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--scram", action="store_true", help="auth-flood: SCRAM-SHA-256 garbage proofs, not PLAIN")
@@ -385,6 +468,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.attack == "disk-full":
         print(json.dumps(attack_disk_full()))
+        return
+    if args.attack == "alarm-flood":
+        print(json.dumps(attack_alarm_flood(args.high, args.count)))
         return
     if args.attack == "auth-flood":
         print(json.dumps(attack_auth_flood(args.threads, args.duration, args.scram)))

@@ -171,3 +171,14 @@ def test_names_with_bidirectional_or_invisible_characters_are_refused_naming_the
         assert status == 400 and f"\\\\u{ord(char):04x}".encode() in body, (status, body)
     finally:
         d.stop()
+
+
+def test_the_memory_alarm_bounds_memory_against_a_producer_with_a_huge_capacity():
+    """A producer with capacity 1,000,000 sends 100,000 messages of 4 KiB to
+    a queue that never stops, with the high watermark at 100 MB: while the
+    alarm is on, its connection is not read (TCP back-pressure), so qflowd's
+    resident set stays near the watermark (before: 450 MB, 350 above it);
+    once a consumer drains, every message is completed and delivered."""
+    got = hostile.attack_alarm_flood(high_mb=100, count=100_000)
+    assert got["sent"] == got["drained"] == 100_000, got
+    assert got["peak_over_high_mb"] < 150, got

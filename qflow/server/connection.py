@@ -27,9 +27,12 @@ from qflow.protocol.sasl import Users
 from qflow.protocol.tls import certificate_name, handshake_failure
 from qflow.server.auth_guard import AuthGuard
 from qflow.server.input_budget import InputBudget
+from qflow.server.memory_monitor import PublishGate
 from qflow.server.pump import ConnectionPump
 
 log = logging.getLogger("qflow.server")
+
+MEMORY_ALARM = "memory alarm"  # the memory alarm's name as a holder (qflow.broker.memory_alarm)
 
 # Bytes of deliveries a connection may have queued or in the socket's send at
 # once. Past it the broker delivers nothing more to it until its peer reads:
@@ -57,9 +60,10 @@ class Connection:
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
                  admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None,
-                 auth_guard: AuthGuard | None = None, ip: str = "?") -> None:
+                 auth_guard: AuthGuard | None = None, ip: str = "?", publish_gate: PublishGate | None = None) -> None:
         """``budget``: the broker-wide bound on input in unfinished frames, told after each read;
-        ``auth_guard``: failed authentication per address (``ip``, the peer's), PLAIN's hashing off the loop."""
+        ``auth_guard``: failed authentication per address (``ip``, the peer's), PLAIN's hashing off the loop;
+        ``publish_gate``: closed while the memory alarm is set (then a connection that only publishes is not read)."""
         self.broker = broker
         self.stream = stream
         self.peer = peer
@@ -83,6 +87,7 @@ class Connection:
         self.evicted: str | None = None  # why the input budget closed this connection
         self.auth_guard = auth_guard
         self.ip = ip
+        self.publish_gate = publish_gate
         if auth_guard is not None:
             self.pump.defer_password_checks()
 
@@ -241,6 +246,18 @@ class Connection:
                 if self._closing:
                     return
 
+    def _only_publishes(self) -> bool:
+        """The memory alarm holds this connection's transfers, and it consumes
+        nothing: not reading it cannot hold up what would free memory."""
+        held = False
+        for ssn in self.sessions.values():
+            if ssn is None:
+                continue
+            if ssn.consumers or ssn.unacked_count:
+                return False
+            held = held or MEMORY_ALARM in ssn.holder_since
+        return held
+
     @property
     def reading_paused(self) -> bool:
         """The connection's output is full: the broker reads nothing more from it until its peer reads."""
@@ -315,3 +332,7 @@ class Connection:
                         await self._output_room()
                         self.pump.resume()
                 protocol.kept_waiting(now())  # its heartbeats wait unread meanwhile
+            gate = self.publish_gate
+            if gate is not None and gate.closed and self._only_publishes():
+                await gate.wait_open()  # TCP back-pressure: its producer stops until the alarm clears
+                protocol.kept_waiting(now())

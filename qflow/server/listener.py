@@ -34,6 +34,7 @@ from qflow.server.admission import (
 from qflow.server.auth_guard import AuthGuard
 from qflow.server.connection import Connection
 from qflow.server.input_budget import InputBudget
+from qflow.server.memory_monitor import PublishGate
 
 log = logging.getLogger("qflow.server")
 
@@ -54,6 +55,7 @@ class Server:
         self.throttle = Throttle()
         self.input_budget = InputBudget(self.limits.max_unfinished_input, self.throttle)
         self.auth_guard = AuthGuard(throttle=self.throttle)  # failed authentication, per address
+        self.publish_gate = PublishGate()  # closed by the memory monitor while the memory alarm is set
         self.connections: set[Connection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
@@ -133,7 +135,7 @@ class Server:
         conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
                           negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
                           admit=admit if self.limits.per_user else None, budget=self.input_budget,
-                          auth_guard=self.auth_guard, ip=ip)
+                          auth_guard=self.auth_guard, ip=ip, publish_gate=self.publish_gate)
         self.connections.add(conn)
         try:
             sock.setsockopt(6, 1, 1)  # TCP_NODELAY: completions are small and urgent
