@@ -450,6 +450,7 @@ LONG = [
     [41, 1, list(range(2000))],  # message.accept with 1000 ranges
     [30, 1, "", "q", {"headers": {"tags": ["t"] * 300}}, b"body" * 10],
     [60, 1, "q", "inc", list(range(70000, 70200))],
+    [30, 1, "", "q", {"headers": {"l": [1] * 100}}, b"y" * 30000],  # past the probe's first window
 ]
 
 
@@ -457,7 +458,7 @@ LONG = [
 def test_a_guarded_decoder_decodes_frames_with_long_arrays(cut: str) -> None:
     """Frames with arrays longer than CLAIMED_ARRAY_LEN decode whole, among
     others, however the bytes are cut; each frame's tail is where it was."""
-    frames = [FRAMES[1], LONG[0], FRAMES[2], LONG[1], FRAMES[6], LONG[2], FRAMES[5]]
+    frames = [FRAMES[1], LONG[0], FRAMES[2], LONG[1], FRAMES[6], LONG[2], FRAMES[5], LONG[3], FRAMES[1]]
     stream = encode(frames)
     if cut == "whole":
         chunks = [stream]

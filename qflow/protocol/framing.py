@@ -243,24 +243,35 @@ class FrameDecoder:
         if start < self._chunks_start:  # its start is no longer kept (see KEEP_PENDING)
             raise FrameTooLarge(f"an array of more than {CLAIMED_ARRAY_LEN} elements more than {KEEP_PENDING} "
                                 f"bytes into a frame that came over several reads (send long arrays first)")
-        rest = self._pending()
+        last, base = self.last_chunk()
+        # The rest of the read, without a copy when the frame starts in its last chunk (the usual case).
+        rest = memoryview(last)[start - base:] if start >= base else memoryview(self._pending())
+        rest = rest[:self.max_frame_size]
         probe = self._new_unpacker(self.max_frame_size)  # skip() builds nothing: its claims cost nothing
-        probe.feed(memoryview(rest)[:self.max_frame_size])
-        try:
-            probe.skip()
-        except msgpack.OutOfData:
-            pass
-        except msgpack.StackError:
-            raise FramingError(f"malformed frame: containers nested more than {MAX_NESTING} deep") from None
-        except Exception as exc:
-            raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
-        else:
+        fed, window, whole = 0, 4096, False  # most such frames are small: a growing window, not the whole read
+        while not whole:
+            probe.feed(rest[fed:window])
+            fed = min(window, len(rest))
+            try:
+                probe.skip()
+                whole = True
+            except msgpack.OutOfData:
+                if fed >= len(rest):
+                    break
+                window *= 4
+            except msgpack.StackError:
+                raise FramingError(f"malformed frame: containers nested more than {MAX_NESTING} deep") from None
+            except Exception as exc:
+                raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+        if whole:
             end = probe.tell()
             frame = self._decode_whole(rest[:end])
+            rest.release()
             unpacker = self._unpacker
             unpacker.read_bytes(start + end - unpacker.tell())  # past the frame: on with the next one
             self._ready = (frame, start + end)
             return True
+        rest = bytes(rest)
         self._completion(rest)  # FrameTooLarge if its claims cannot fit
         # Held until whole: a fresh Unpacker gets the frame then (_feed_whole).
         self._base += start
