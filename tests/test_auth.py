@@ -53,6 +53,17 @@ def daemon(users: Path) -> Iterator[Daemon]:
         d.stop()
 
 
+@pytest.fixture
+def own_daemon(users: Path) -> Iterator[Daemon]:
+    """A qflowd of the test's own: its failed attempts are logged at most once per address per 10 s
+    (qflow.server.auth_guard), so a test that reads the log of one must not share the broker."""
+    d = start_qflowd("--auth", "yes", "--sasl-db", str(users))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
 async def refusal(d: Daemon, **credentials: Any) -> qflow.ConnectionClosed:
     with trio.fail_after(TIMEOUT), pytest.raises(qflow.ConnectionClosed) as info:
         async with qflow.open_connection("127.0.0.1", d.port, **credentials):
@@ -105,7 +116,8 @@ async def test_a_user_logs_in_and_is_recorded_on_the_connection_and_its_sessions
     {"username": "alice", "password": "wrong", "mechanism": "PLAIN"},
     {"username": "nobody", "password": "x", "mechanism": "PLAIN"},
 ])
-async def test_failed_authentication_closes_with_one_reason_logs_it_and_harms_nothing(daemon, credentials):
+async def test_failed_authentication_closes_with_one_reason_logs_it_and_harms_nothing(own_daemon, credentials):
+    daemon = own_daemon
     err = await refusal(daemon, **credentials)
     assert (err.code, err.text) == (P.NOT_ALLOWED, "authentication failed")  # not whether the user exists
     user = credentials["username"]
@@ -120,7 +132,8 @@ async def test_failed_authentication_closes_with_one_reason_logs_it_and_harms_no
     await healthy(daemon)
 
 
-async def test_a_user_name_cannot_forge_a_log_line(daemon):
+async def test_a_user_name_cannot_forge_a_log_line(own_daemon):
+    daemon = own_daemon
     await refusal(daemon, username="evil\n2026-01-01 INFO qflow: forged", password="x")
     with trio.fail_after(TIMEOUT):
         while "evil\\x0a2026" not in daemon.log():

@@ -403,3 +403,128 @@ def test_fuzz_random_bytes_after_header(prefix: list, junk: bytes, cuts: list[in
     except FramingError:  # FrameTooLarge included
         pass
     assert got[: len(prefix)] == prefix
+
+
+# -- what arrays claim (a guarded decoder: qflowd's) ---------------------------------------------------------
+
+
+def guarded(max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> FrameDecoder:
+    d = FrameDecoder(max_frame_size, expect_header=False, guard_claims=True)
+    d.hold_exact = False
+    return d
+
+
+def test_nested_array_claims_past_the_frame_size_are_refused_at_once() -> None:
+    """1,000 nested array16(65535) heads (3 KB) claim 65 million elements: a
+    guarded decoder refuses the unfinished frame at once, as too large for
+    the bytes its frame may still have, instead of building the lists."""
+    tracemalloc.start()
+    try:
+        d = guarded()
+        d.feed(b"\x96\x1e\x00\xa0\xa1q" + b"\xdc\xff\xff" * 1000)
+        with pytest.raises(FrameTooLarge, match="declares more than the maximum frame size 1048576"):
+            list(d.frames())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024 * 1024, peak  # the unguarded Unpacker: hundreds of MB of lists
+
+
+def test_nested_claims_within_the_limit_cost_at_most_the_claimed_bound() -> None:
+    """Arrays of up to CLAIMED_ARRAY_LEN are taken as they come: 1,020 nested
+    heads of 64 hold at most 1024 x 64 x 8 bytes of lists (plus their objects)."""
+    from qflow.protocol.framing import CLAIMED_ARRAY_LEN
+    tracemalloc.start()
+    try:
+        d = guarded()
+        before, _ = tracemalloc.get_traced_memory()
+        d.feed(b"\x96\x1e\x00\xa0\xa1q" + (b"\xdc" + CLAIMED_ARRAY_LEN.to_bytes(2, "big")) * 1020)
+        assert list(d.frames()) == []
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held - before < 1024 * (CLAIMED_ARRAY_LEN * 8 + 200), held - before
+
+
+LONG = [
+    [41, 1, list(range(2000))],  # message.accept with 1000 ranges
+    [30, 1, "", "q", {"headers": {"tags": ["t"] * 300}}, b"body" * 10],
+    [60, 1, "q", "inc", list(range(70000, 70200))],
+    [30, 1, "", "q", {"headers": {"l": [1] * 100}}, b"y" * 30000],  # past the probe's first window
+]
+
+
+@pytest.mark.parametrize("cut", ["whole", "bytewise", "halves"])
+def test_a_guarded_decoder_decodes_frames_with_long_arrays(cut: str) -> None:
+    """Frames with arrays longer than CLAIMED_ARRAY_LEN decode whole, among
+    others, however the bytes are cut; each frame's tail is where it was."""
+    frames = [FRAMES[1], LONG[0], FRAMES[2], LONG[1], FRAMES[6], LONG[2], FRAMES[5], LONG[3], FRAMES[1]]
+    stream = encode(frames)
+    if cut == "whole":
+        chunks = [stream]
+    elif cut == "bytewise":
+        chunks = [stream[i:i + 7] for i in range(0, len(stream), 7)]
+    else:
+        chunks = [stream[:len(stream) // 2], stream[len(stream) // 2:]]
+    d = guarded()
+    got, tails = [], []
+    for chunk in chunks:
+        d.feed(chunk)
+        for frame in d.frames():
+            got.append(frame)
+            tails.append(d.frame_tail(msgpack.packb(frame[:2])[:1] + msgpack.packb(frame[0])))
+    assert got == frames
+    for frame, tail in zip(frames, tails, strict=True):
+        if tail is not None:  # None: the frame's start was not kept (the broker encodes it again)
+            assert tail == msgpack.packb(frame, use_bin_type=True)[2:]
+
+
+def test_a_long_array_frame_held_until_whole_counts_in_pending_and_keeps_its_limit() -> None:
+    d = guarded(MIN_MAX_FRAME_SIZE)
+    head = msgpack.packb([41, 1, list(range(1000))])[:20]
+    d.feed(head)
+    assert list(d.frames()) == []
+    assert d.pending >= len(head)
+    d.feed(b"\xda\x0f\xff")  # a str of 4095 bytes: fits the 4096 bytes of a frame only on its own
+    assert list(d.frames()) == []
+    with pytest.raises(FrameTooLarge, match="exceeds the maximum frame size 4096"):
+        d.feed(b"x" * MIN_MAX_FRAME_SIZE)
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guarded"])
+def test_nesting_too_deep_is_refused_naming_it(guard: bool) -> None:
+    """msgpack's Unpacker refuses containers nested more than 1024 deep with
+    an exception that says nothing: the close says what was wrong."""
+    d = FrameDecoder(expect_header=False, guard_claims=guard)
+    d.feed(b"\x91" * 10000 + b"\xc0")
+    with pytest.raises(FramingError, match="nested more than 1024 deep"):
+        list(d.frames())
+
+
+def test_reserved_type_byte_is_named() -> None:
+    d = FrameDecoder(expect_header=False)
+    d.feed(b"\x92\x1e\xc1")
+    with pytest.raises(FramingError, match="0xc1"):
+        list(d.frames())
+
+
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    frames=st.lists(st.one_of(
+        st.sampled_from(FRAMES),
+        st.builds(lambda n, ch: [41, ch, list(range(n))], st.integers(0, 300), st.integers(0, 3)),
+        st.builds(lambda n, b: [30, 1, "", "q", {"headers": {"l": [1] * n}}, b],
+                  st.integers(0, 200), st.binary(max_size=3000)),
+    ), max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=20000), max_size=8),
+    hold_exact=st.booleans(),
+)
+def test_fuzz_guarded_decoder_matches_plain(frames: list, cuts: list[int], hold_exact: bool) -> None:
+    """A guarded decoder yields the same frames as a plain one, however cut."""
+    data = encode(frames)
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    g = guarded(MIN_MAX_FRAME_SIZE * 4)
+    g.hold_exact = hold_exact
+    assert decode_all(g, chunks) == frames
+    assert g.pending == 0

@@ -245,7 +245,12 @@ def _corrupt_at(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_bad_record_ends_recovery_keeps_the_prefix_logs_it_and_is_not_hit_again(tmp_path, caplog):
+def test_a_bad_record_is_skipped_what_was_live_before_it_is_withheld_and_it_is_logged(tmp_path, caplog):
+    """A byte flipped inside the third of four batches: its record is skipped
+    by its length and the fourth batch is restored. The first two batches'
+    messages are withheld (the skipped record may have dequeued them) and
+    their segment is kept in dropped/ for qflow-salvage. The next recovery,
+    after new commits, gives the same and the new ones."""
     j, _ = opened(tmp_path)
     ends = []
     for b in range(4):
@@ -258,18 +263,73 @@ def test_a_bad_record_ends_recovery_keeps_the_prefix_logs_it_and_is_not_hit_agai
     _corrupt_at(seg, ends[1] + 20)  # inside the third batch
     with caplog.at_level(logging.ERROR, logger="qflow.store"):
         j, got = opened(tmp_path)
-    assert seqs(got) == {"q": list(range(1, 21))}
-    assert f"{seg} at offset {ends[1]} of {ends[3]}: crc32 mismatch" in caplog.text
+    assert seqs(got) == {"q": list(range(31, 41))}
+    assert j.withheld == {"q": 20}
+    assert (f"{seg} at offset {ends[1]} of {ends[3]}: crc32 mismatch over {ends[2] - ends[1] - 8} bytes; "
+            f"skipped {ends[2] - ends[1]} bytes") in caplog.text
+    assert "20 message(s) of queue 'q' written before a skipped record are not restored" in caplog.text
     assert j.dropped and "crc32" in j.dropped[0]
-    assert (tmp_path / "dropped" / f"{seg.name[:-4]}.at-{ends[1]}").stat().st_size == ends[3] - ends[1]
-    # New commits after the recovery count at the next one: the bad record is out of the way.
-    j.enqueue("q", entry(21, b"after"))
+    snapshot = tmp_path / "dropped" / f"skipped-00000001-at-{ends[1]}"
+    assert (snapshot / seg.name).samefile(seg)
+    from qflow.store.journal import salvage
+    withheld = list(salvage(tmp_path))
+    assert [(q, s) for _, q, s, _ in withheld] == [("q", s) for s in range(1, 21)]
+    assert {n for n, *_ in withheld} == {snapshot.name}
+    j.enqueue("q", entry(41, b"after"))
     j.commit()
     j.close()
     caplog.clear()
     _, got = opened(tmp_path)
-    assert seqs(got) == {"q": list(range(1, 22))}
-    assert "stopped" not in caplog.text
+    assert seqs(got) == {"q": list(range(31, 42))}
+    assert [(q, s) for _, q, s, _ in salvage(tmp_path)] == [("q", s) for s in range(1, 21)]  # the first one decided
+
+
+def test_a_damaged_length_skips_the_rest_of_its_segment_and_the_later_segments_are_kept(tmp_path):
+    seg = 1024
+    j, _ = opened(tmp_path, segment_size=seg)
+    for s in range(1, 101):
+        j.enqueue("q", entry(s, b"v" * 40))
+        if s % 5 == 0:
+            j.commit()
+    j.close()
+    names = sorted(p.name for p in tmp_path.glob("*" + SUFFIX))
+    assert len(names) >= 4
+    second = tmp_path / names[1]
+    first_batch = 24 + _length_at(second, 24) + 8
+    _corrupt_at(second, first_batch + 3)  # the second batch's length field: nothing to go on in this segment
+    j, got = opened(tmp_path, segment_size=seg)
+    kept = seqs(got)["q"]
+    # The first segment and the second's first batch are withheld, the rest of the second is skipped,
+    # and every later segment is restored.
+    first_of_third = _first_seq(tmp_path / names[2])
+    assert kept == list(range(first_of_third, 101))
+    assert "the rest of the segment" in j.dropped[0]
+    (snapshot,) = (tmp_path / "dropped").iterdir()
+    assert sorted(p.name for p in snapshot.iterdir()) == names
+    j.enqueue("q", entry(101, b"new"))
+    j.commit()
+    j.close()
+    _, again = opened(tmp_path, segment_size=seg)
+    assert seqs(again)["q"] == list(range(first_of_third, 102))
+
+
+def _length_at(path: Path, offset: int) -> int:
+    return int.from_bytes(path.read_bytes()[offset:offset + 4], "little")
+
+
+def _first_seq(path: Path) -> int:
+    j = Journal(path.parent / "one")
+    shutil.rmtree(j.directory, ignore_errors=True)
+    j.directory.mkdir()
+    shutil.copy(path, j.directory / "00000001.jrn")
+    data = bytearray((j.directory / "00000001.jrn").read_bytes())
+    data[8 + 7:8 + 15] = (1).to_bytes(8, "little")  # its header names segment 1 now
+    import zlib
+    data[4:8] = zlib.crc32(bytes(data[8:24])).to_bytes(4, "little")
+    (j.directory / "00000001.jrn").write_bytes(bytes(data))
+    got = j.recover()
+    shutil.rmtree(j.directory)
+    return min(seqs(got)["q"])
 
 
 # -- the model ------------------------------------------------------------------------
@@ -422,11 +482,42 @@ def _replay(batches: list[Batch]) -> dict[str, list[bytes]]:
     return {q: [m[s] for s in sorted(m)] for q, m in state.items() if m}
 
 
+def _replay_skipping(batches: list[Batch], bad: int) -> dict[str, list[bytes]]:
+    """:func:`_replay` with batch ``bad`` skipped: what was live before it is
+    withheld unless a later batch enqueues it again, dequeues or deletes it."""
+    state: dict[str, dict[int, bytes]] = {}
+    suspects: dict[str, set[int]] = {}
+    for k, b in enumerate(batches):
+        if k == bad:
+            for q, m in state.items():
+                suspects.setdefault(q, set()).update(m)
+            state.clear()
+            continue
+        for kind, items in b.sections:
+            for item in items:
+                q = b.names[item[0]]
+                if kind == REC_DELETE:
+                    state.pop(q, None)
+                    suspects.pop(q, None)
+                    continue
+                suspects.get(q, set()).discard(item[1])
+                if kind == REC_ENQUEUE:
+                    e = b.bodies[item[2]][1]
+                    state.setdefault(q, {})[item[1]] = redelivered(e[:2] + item[1].to_bytes(8, "big") + e[10:])
+                else:
+                    state.get(q, {}).pop(item[1], None)
+    return {q: [m[s] for s in sorted(m)] for q, m in state.items() if m}
+
+
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(op, min_size=1, max_size=60), pick=st.floats(0, 1), byte=st.floats(0, 1))
-def test_model_a_torn_record_in_the_middle_keeps_exactly_the_batches_before_it(tmp_path_factory, steps, pick, byte):
-    """A byte flipped inside one committed batch record (segments big enough
-    that none dies): recovery keeps exactly the batches before that one."""
+def test_model_a_bad_record_in_the_middle_is_skipped_and_withholds_what_it_may_have_removed(
+        tmp_path_factory, steps, pick, byte):
+    """A byte flipped inside one committed batch record, past its length field
+    (segments big enough that none dies): recovery skips that record and
+    applies the others; what was live before it, and not settled by a later
+    batch, is withheld. The last record of the journal is a torn write
+    instead: recovery keeps exactly the batches before it."""
     d = tmp_path_factory.mktemp("j")
     j, m = opened(d, segment_size=1 << 20)[0], Model()
     batches, spans = [], []
@@ -440,7 +531,7 @@ def test_model_a_torn_record_in_the_middle_keeps_exactly_the_batches_before_it(t
         if batch is None:
             continue
         path = d / f"{batch.segment:08d}{SUFFIX}"
-        start = path.stat().st_size if path.exists() else 0
+        start = path.stat().st_size if path.exists() else 24  # a new segment: its header comes first
         j.write_and_sync(batch)
         j.committed(batch)
         batches.append(batch)
@@ -449,9 +540,9 @@ def test_model_a_torn_record_in_the_middle_keeps_exactly_the_batches_before_it(t
     assume(batches)
     i = min(int(pick * len(batches)), len(batches) - 1)
     path, start, end = spans[i]
-    _corrupt_at(path, start + min(int(byte * (end - start)), end - start - 1))
+    _corrupt_at(path, start + 4 + min(int(byte * (end - start - 4)), end - start - 5))
     _, got = opened(d, segment_size=1 << 20)
-    assert got == _replay(batches[:i])
+    assert got == (_replay(batches[:i]) if i == len(batches) - 1 else _replay_skipping(batches, i))
     assert _replay(batches) == m.snapshot()  # the replay is the model's state when nothing is torn
 
 
@@ -504,57 +595,64 @@ def test_kill_9_in_the_middle_of_commits_loses_nothing_acknowledged(tmp_path):
     assert got_seqs == list(range(last - 19, last + 1))
 
 
-def test_a_bad_record_in_an_older_segment_sets_the_later_segments_aside(tmp_path):
-    seg = 1024
-    j, _ = opened(tmp_path, segment_size=seg)
-    for s in range(1, 101):
-        j.enqueue("q", entry(s, b"v" * 40))
-        if s % 5 == 0:
-            j.commit()
+def test_a_torn_tail_on_a_full_disk_is_cut_without_a_copy(tmp_path, monkeypatch, caplog):
+    """Keeping a copy of the cut bytes needs new space, cutting them does not:
+    on a full disk (ENOSPC from the copy) the recovery cuts the torn tail,
+    says the bytes were not kept, and the journal opens."""
+    import errno
+    j, _ = opened(tmp_path)
+    for s in range(1, 11):
+        j.enqueue("q", entry(s, b"p"))
+        j.commit()
     j.close()
-    names = sorted(p.name for p in tmp_path.glob("*" + SUFFIX))
-    assert len(names) >= 4
-    second = tmp_path / names[1]
-    first_batch_end = 24 + (second.stat().st_size - 24) // 2
-    _corrupt_at(second, first_batch_end)
-    j, got = opened(tmp_path, segment_size=seg)
-    kept = seqs(got)["q"]
-    assert kept == list(range(1, len(kept) + 1)) and 5 < len(kept) < 100  # a prefix: the first segment and more
-    assert sorted(p.name for p in (tmp_path / "dropped").iterdir() if p.name.endswith(SUFFIX)) == names[2:]
-    assert "later segments" in j.dropped[0]
-    j.enqueue("q", entry(len(kept) + 1, b"new"))
+    seg = next(tmp_path.glob("*" + SUFFIX))
+    size = seg.stat().st_size
+    with open(seg, "ab") as f:
+        f.write(b"\x40\x00\x00\x00torn")  # a record head claiming 64 bytes, and 4 of them
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with caplog.at_level(logging.ERROR, logger="qflow.store"):
+        j, got = opened(tmp_path)
+    assert seqs(got) == {"q": list(range(1, 11))}
+    assert seg.stat().st_size == size
+    assert "no space to keep a copy of the 8 bytes cut from" in caplog.text
+    assert not any((tmp_path / "dropped").iterdir())
+    monkeypatch.undo()
+    j.enqueue("q", entry(11, b"after"))
     j.commit()
     j.close()
-    _, again = opened(tmp_path, segment_size=seg)
-    assert seqs(again)["q"] == list(range(1, len(kept) + 2))
+    assert seqs(opened(tmp_path)[1]) == {"q": list(range(1, 12))}
 
 
-def test_a_run_of_enqueues_and_a_batch_of_dequeues_write_what_one_call_each_writes(tmp_path):
-    """enqueue_run and dequeue_many (the store's calls for a run of transfers and a
-    batch of accepts) write byte for byte the records that enqueue and dequeue write,
-    message by message, including a dequeue of a message staged in the same batch and
-    of one the journal does not hold (a transient message): that one is returned."""
-    one, many = tmp_path / "one", tmp_path / "many"
-    a, _ = opened(one)
-    b, _ = opened(many)
-    first = [entry(s, b"m%d" % s) for s in range(1, 6)]
-    for e in first:
-        a.enqueue("q", e)
-    b.enqueue_run("q", first)
-    for j in (a, b):
-        j.enqueue("r", entry(1, b"r", "r"))
+def test_qflow_salvage_lists_the_withheld_messages(tmp_path):
+    import base64
+    import json
+    import subprocess
+    import sys
+    journal = tmp_path / "data" / "journal"
+    j, _ = opened(journal)
+    for b in range(4):
+        for s in range(b * 5 + 1, b * 5 + 6):
+            j.enqueue("q", entry(s, b"body-%d" % s))
         j.commit()
-    second = [entry(s, b"n%d" % s) for s in range(6, 9)]
-    for e in second:
-        a.enqueue("q", e)
-    b.enqueue_run("q", second)
-    assert [a.dequeue("q", s) for s in (2, 4, 7, 99)] == [True, True, True, False]
-    assert b.dequeue_many("q", [entry(s, b"") for s in (2, 4, 7, 99)]) == [99]
-    assert b.dequeue_many("nowhere", [entry(1, b""), entry(2, b"")]) == [1, 2]
-    for j in (a, b):
-        j.commit()
-        j.close()
-    assert [p.read_bytes() for p in sorted(one.glob("*" + SUFFIX))] == \
-        [p.read_bytes() for p in sorted(many.glob("*" + SUFFIX))]
-    _, got = opened(many)
-    assert seqs(got) == {"q": [1, 3, 5, 6, 8], "r": [1]}
+    j.close()
+    seg = next(journal.glob("*" + SUFFIX))
+    _corrupt_at(seg, seg.stat().st_size - 10)  # inside the last batch: a torn tail, nothing withheld
+    out = subprocess.run([sys.executable, "-m", "qflow.cli.qflow_salvage", "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == ""
+    opened(journal)[0].close()  # cuts the torn tail
+    second = 24 + _length_at(seg, 24) + 8
+    _corrupt_at(seg, second + 12)  # inside the second batch: the first is withheld
+    j, got = opened(journal)
+    j.close()
+    assert seqs(got) == {"q": list(range(11, 16))}  # the second batch skipped, the fourth cut before
+    out = subprocess.run([sys.executable, "-m", "qflow.cli.qflow_salvage", "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, check=True).stdout
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [(m["queue"], m["sequence"], base64.b64decode(m["body"])) for m in got] == \
+        [("q", s, b"body-%d" % s) for s in range(1, 6)]
+    assert got[0]["properties"] == {"durable": True} and got[0]["exchange"] == "amq.fanout"

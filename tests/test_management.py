@@ -443,7 +443,8 @@ async def test_malformed_http_is_refused_and_the_server_stays_up(mgmt: Mgmt) -> 
         (b"GET /api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
         (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 414),
         (b"GET \xff\xfe HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 400),
-        (b"GET http://host/api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 200),  # absolute-form is fine
+        (b"GET http://127.0.0.1/api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 200),  # absolute-form is fine
+        (b"GET http://host/api/queues HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 421),  # ... for the broker's names
         (b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 400),
     ]
     for data, status in cases:

@@ -11,6 +11,7 @@ import json
 import os
 import stat
 
+import msgpack
 import pytest
 from qflow.cli._addresses import BrokerUrl, parse_url
 
@@ -274,3 +275,38 @@ def test_qpid_broker_urls_carry_credentials(text, url):
 def test_a_url_with_half_its_credentials_is_refused(text):
     with pytest.raises(Exception, match="USER/PASSWORD@HOST:PORT"):
         parse_url(text, 5672)
+
+
+def test_a_server_deferring_password_checks_hands_plain_to_the_glue():
+    """With ``defer_password_checks`` a PLAIN open is not hashed inline: the
+    server hands out a PasswordCheck (an unknown user's with a decoy verifier)
+    and opens, or refuses, once told the result."""
+    from qflow.protocol import sasl
+    from qflow.protocol.connection import AuthFailed, PasswordCheck, ProtocolConnection, Role
+    from qflow.protocol.framing import PROTOCOL_HEADER
+
+    class Users:
+        usual_iterations = 4096
+
+        def verifier(self, user):
+            return sasl.make_verifier("right", 4096) if user == "alice" else None
+
+    def opened_with(user, password, matches):
+        server = ProtocolConnection(Role.SERVER, users=Users(), secret=b"s" * 32, now=0.0)
+        server.defer_password_checks = True
+        server.receive_data(PROTOCOL_HEADER + msgpack.packb(
+            [P.OPEN, {"mechanism": "PLAIN", "response": sasl.plain_response(user, password)}]), 0.0)
+        (frame,) = server.decoder.frames()
+        check = server.receive_control(frame)
+        assert type(check) is PasswordCheck and (check.user, check.password) == (user, password)
+        assert server.password_check_pending and not server.encoder.parts  # nothing answered yet
+        assert sasl.check_password(check.verifier, password) is matches
+        return server.finish_password_check(matches)
+
+    assert opened_with("alice", "right", True).user == "alice"
+    with pytest.raises(AuthFailed, match="authentication failed") as info:
+        opened_with("alice", "wrong", False)
+    assert info.value.detail == "wrong password"
+    with pytest.raises(AuthFailed) as info:
+        opened_with("mallory", "right", False)
+    assert info.value.detail == "unknown user"

@@ -114,11 +114,21 @@ class RequestGuard:
         """Also answer to the address the server listens on."""
         self.hosts = own_host_names(host, self.allowed_hosts)
 
-    def check(self, method: bytes, headers: Iterable[tuple[bytes, bytes]], local_address: str | None = None
-              ) -> Refusal | None:
+    def check(self, method: bytes, headers: Iterable[tuple[bytes, bytes]], local_address: str | None = None,
+              target: bytes = b"") -> Refusal | None:
         """None if the request may go on to the API, else why not. ``headers``
         as h11 gives them (names lower-case); ``local_address`` is the address
-        the connection was accepted on (its Host may be that address)."""
+        the connection was accepted on (its Host may be that address);
+        ``target``: the request target, whose authority, in absolute form
+        (``http://host/path``, as sent to a proxy), must be one of the broker's
+        names as a Host must (RFC 9112 3.2.2: it stands in for the Host)."""
+        m = _ABSOLUTE_FORM.match(target)
+        if m is not None:
+            authority = m.group(1).decode("latin-1")
+            refusal = self._check_host(authority, local_address)
+            if refusal is not None:
+                return Refusal(421, f"request target for host '{printable(authority)}', which is not a name of "
+                                    "this broker; allow it with --mgmt-allowed-host if it is one")
         host = origin = content_type = None
         for key, value in headers:
             if key == b"host":
@@ -151,6 +161,9 @@ class RequestGuard:
             return None
         return Refusal(421, f"Host '{printable(host)}' is not a name of this broker; allow it with "
                             "--mgmt-allowed-host if it is one")
+
+
+_ABSOLUTE_FORM = re.compile(rb"(?i)[a-z][a-z0-9+.-]*://([^/?#]*)")
 
 
 def _same_origin(origin: str, host: str | None) -> bool:

@@ -349,9 +349,13 @@ class ManagementServer:
         if sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD:
             raise _Reject(431, f"request header fields longer than {MAX_HEAD} bytes")
         length = next((v for k, v in event.headers if k == b"content-length"), None)
+        if length is not None and any(k == b"transfer-encoding" for k, _ in event.headers):
+            # h11 would let Transfer-Encoding win; a proxy in front might take Content-Length, and the rest
+            # of the body would be read as a second request (smuggling). RFC 9112 6.1 allows refusing it.
+            raise _Reject(400, "a request must not have both Content-Length and Transfer-Encoding")
         if length is not None and int(length) > MAX_BODY:  # h11 has checked it is digits
             raise _Reject(413, f"request body of {int(length)} bytes exceeds the limit of {MAX_BODY}")
-        refusal = self.guard.check(event.method, event.headers, local)
+        refusal = self.guard.check(event.method, event.headers, local, bytes(event.target))
         if refusal is not None:
             log.warning("refused %s %s from %s: %s", printable(event.method.decode("latin-1")),
                         printable(event.target.decode("latin-1")[:200]), peer, refusal.message)

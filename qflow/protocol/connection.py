@@ -156,6 +156,19 @@ class Opened(NamedTuple):
     probe: bool = False  # server: the client only reads open-ok and closes (it may attach no session)
 
 
+class PasswordCheck(NamedTuple):
+    """Server, with ``defer_password_checks``: a PLAIN open whose password
+    must be checked against ``verifier`` (PBKDF2: milliseconds of CPU, which
+    the glue runs off its event loop). The glue answers with
+    :meth:`ProtocolConnection.finish_password_check`; until then the
+    connection takes no other frame."""
+
+    user: str
+    password: str
+    verifier: sasl.Verifier
+    known: bool  # False: ``verifier`` is an unknown user's decoy, and the check fails whatever it says
+
+
 class AttachRequested(NamedTuple):
     """Server: answer with accept_attach(channel, your session object)."""
 
@@ -286,7 +299,11 @@ class ProtocolConnection:
         self.heartbeat = heartbeat  # negotiated once open (a client's request until then; a server's 0)
         self.deliver_runs = False
         self.probe = probe  # a server learns it from the open
-        self.decoder = FrameDecoder(max_frame_size, expect_header=role is Role.SERVER)
+        # A broker guards against what untrusted peers' arrays claim (framing.CLAIMED_ARRAY_LEN).
+        self.decoder = FrameDecoder(max_frame_size, expect_header=role is Role.SERVER, guard_claims=role is Role.SERVER)
+        # Server: hand PLAIN's password check to the glue (PasswordCheck) instead of hashing inline.
+        self.defer_password_checks = False
+        self._password_check: PasswordCheck | None = None
         self.encoder = FrameEncoder()
         self.sessions: dict[int, Any] = {}
         self.close_frame: list[Any] | None = None
@@ -400,9 +417,10 @@ class ProtocolConnection:
         return self._authenticate(opts.get("mechanism", sasl.ANONYMOUS), opts.get("response", b""))
 
     # -- authentication: server ---------------------------------------------------------
-    def _authenticate(self, mechanism: Any, response: Any) -> Opened | None:
+    def _authenticate(self, mechanism: Any, response: Any) -> Opened | PasswordCheck | None:
         """The open's credentials: open-ok (Opened), or a SCRAM challenge
-        (None: AUTHENTICATING), or a refusal."""
+        (None: AUTHENTICATING), or a PLAIN password for the glue to check
+        (PasswordCheck, with ``defer_password_checks``), or a refusal."""
         offered = MECHANISMS if self.users is None else sasl.AUTH_MECHANISMS
         if self.peer_identity:
             offered = (*offered, sasl.EXTERNAL)
@@ -428,7 +446,9 @@ class ProtocolConnection:
             if mechanism == sasl.PLAIN:
                 user, password = sasl.parse_plain(response)
                 if self.users is not None:
-                    self._check_plain(user, password)
+                    check = self._check_plain(user, password)
+                    if check is not None:
+                        return check  # type: ignore[return-value]
                 return self._negotiate(user)
             scram = sasl.ScramServer(self.users or _NO_USERS, self.secret)
             challenge = scram.first(response)
@@ -441,13 +461,30 @@ class ProtocolConnection:
         except sasl.AuthError as exc:
             raise self._auth_failed(scram.user if scram is not None else "", exc.detail) from None
 
-    def _check_plain(self, user: str, password: str) -> None:
+    def _check_plain(self, user: str, password: str) -> PasswordCheck | None:
         verifier = self.users.verifier(user)
         # An unknown user costs the same hashing as a known one: the time taken tells nothing.
         decoy = verifier or sasl.decoy_verifier(user, self.secret, self.users.usual_iterations)
-        ok = sasl.check_password(decoy, password)
-        if verifier is None or not ok:
-            raise self._auth_failed(user, "unknown user" if verifier is None else "wrong password")
+        check = self._password_check = PasswordCheck(user, password, decoy, verifier is not None)
+        if self.defer_password_checks:
+            return check
+        self.finish_password_check(sasl.check_password(decoy, password))
+        return None
+
+    def finish_password_check(self, matches: bool) -> Opened | None:
+        """Server: the result of the :class:`PasswordCheck` handed out (whether
+        the password matches its verifier). Returns Opened (the open-ok is
+        written), or raises AuthFailed (the close is recorded)."""
+        check, self._password_check = self._password_check, None
+        if check is None:
+            raise LocalProtocolError("finish_password_check() with no password check under way")
+        if not check.known or not matches:
+            raise self._auth_failed(check.user, "unknown user" if not check.known else "wrong password")
+        return self._negotiate(check.user) if self.defer_password_checks else None
+
+    @property
+    def password_check_pending(self) -> bool:
+        return self._password_check is not None
 
     def _server_sasl_response(self, frame: list[Any]) -> Opened:
         scram = self._scram_server

@@ -36,6 +36,18 @@ INITIAL_BUFFER = 16 * 1024  # a decoder's first buffer; it grows with the reads
 #   incomplete then (it was longer than its shortest completion) stays in
 #   the Unpacker.
 KEEP_PENDING = 64 * 1024
+# An array's head claims its elements before they come: msgpack's Unpacker
+# makes a list of that many slots (8 bytes each) as soon as it reads the head,
+# and keeps the lists of an unfinished frame until the frame is done. 1,000
+# nested array16 heads claiming 65,535 elements each are 3 KB of input and
+# hundreds of MB of lists. So a guarded decoder (qflowd's) has its Unpacker
+# take arrays of up to CLAIMED_ARRAY_LEN elements as they come: the lists of
+# an unfinished frame then cost at most MAX_NESTING x CLAIMED_ARRAY_LEN x 8
+# bytes (512 KiB, half of what a half-sent frame of the default maximum size
+# holds). A frame with a longer array is decoded once all its bytes have come,
+# when every element it claims is backed by a byte (FrameDecoder._take_whole).
+CLAIMED_ARRAY_LEN = 64
+MAX_NESTING = 1024  # msgpack's Unpacker refuses containers nested deeper (its StackError)
 
 
 class FramingError(Exception):
@@ -60,12 +72,20 @@ class FrameDecoder:
     """
 
     __slots__ = ("_header", "_unpacker", "max_frame_size", "_expect_header", "_base", "_defer_until", "_deferred_at", "hold_exact",
-                 "_chunks", "_chunks_start", "_fed", "_frame_start", "frame_begin", "frame_end", "_probed")
+                 "_chunks", "_chunks_start", "_fed", "_frame_start", "frame_begin", "frame_end", "_probed",
+                 "_array_len", "_whole", "_ready")
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True) -> None:
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, expect_header: bool = True,
+                 guard_claims: bool = False) -> None:
+        """``guard_claims``: decode a frame holding an array of more than
+        CLAIMED_ARRAY_LEN elements only once it is whole (see there): for input
+        from untrusted peers (qflowd's)."""
         self.max_frame_size = max_frame_size
         self._expect_header = expect_header
         self._header = b""
+        self._array_len = CLAIMED_ARRAY_LEN if guard_claims else None
+        self._whole: msgpack.Unpacker | None = None  # while a frame is held until whole: its skipping probe
+        self._ready: tuple[list[Any], int] | None = None  # a frame decoded whole, and where it ends
         self._unpacker = self._new_unpacker(max_frame_size)
         self._base = 0  # where the current unpacker's stream starts in the whole stream
         self._defer_until = 0  # while not 0: bytes are held, not fed, until _fed reaches it
@@ -83,9 +103,9 @@ class FrameDecoder:
         self.frame_begin = self.frame_end = 0
         self._probed = -1  # stop offset last checked by _cannot_fit
 
-    @staticmethod
-    def _new_unpacker(max_frame_size: int) -> msgpack.Unpacker:
+    def _new_unpacker(self, max_frame_size: int) -> msgpack.Unpacker:
         # The buffer must hold one partial maximal frame plus one read.
+        array_len = max_frame_size // 2 if self._array_len is None else self._array_len
         return msgpack.Unpacker(
             # The buffer starts small and grows to what the reads need: an idle
             # connection costs kilobytes, not msgpack's default 1 MiB.
@@ -96,7 +116,7 @@ class FrameDecoder:
             max_buffer_size=max_frame_size + 2 * READ_SIZE,
             max_bin_len=max_frame_size,
             max_str_len=max_frame_size,
-            max_array_len=max_frame_size // 2,
+            max_array_len=array_len,
             max_map_len=max_frame_size // 4,
             max_ext_len=0,
         )
@@ -141,6 +161,9 @@ class FrameDecoder:
             self._chunks_start += len(chunks.pop(0))
         chunks.append(data)
         self._fed += len(data)
+        if self._whole is not None:  # a frame with a long array, held until whole
+            self._feed_whole(data)
+            return
         if self._defer_until:  # a large frame's bytes, held until it can be complete
             if self._fed < self._defer_until:
                 return
@@ -153,9 +176,18 @@ class FrameDecoder:
             raise FrameTooLarge(f"frame larger than the maximum frame size {self.max_frame_size}") from None
 
     def frames(self) -> Iterator[list[Any]]:
-        if self._defer_until:  # holding a large frame's bytes: it is not complete yet
+        if self._defer_until or self._whole is not None:  # holding a frame's bytes: it is not complete yet
             return
         while True:
+            if self._ready is not None:  # a frame with a long array, decoded whole
+                frame, end = self._ready
+                self._ready = None
+                self.frame_begin = self._frame_start
+                self._frame_start = self.frame_end = end
+                if type(frame) is not list or not frame or type(frame[0]) is not int:
+                    raise FramingError(f"frame is not an array starting with a frame code: {_short(frame)}")
+                yield frame
+                continue
             unpacker = self._unpacker  # set_max_frame_size may replace it between frames
             limit = self.max_frame_size
             tell = unpacker.tell
@@ -179,7 +211,15 @@ class FrameDecoder:
                     return
             except FramingError:
                 raise
+            except msgpack.StackError:
+                raise FramingError(f"malformed frame: containers nested more than {MAX_NESTING} deep") from None
+            except msgpack.FormatError:
+                raise FramingError("malformed frame: not msgpack (a type byte msgpack does not define, 0xc1)") from None
             except ValueError as exc:  # limits exceeded, or malformed data
+                if self._array_len is not None and "exceeds max_array_len" in str(exc):
+                    if self._take_whole():
+                        continue
+                    return
                 if "exceeds max" in str(exc):
                     raise FrameTooLarge(f"frame exceeds the maximum frame size {limit}: {exc}") from None
                 raise FramingError(f"malformed frame: {exc}") from None
@@ -189,8 +229,91 @@ class FrameDecoder:
     @property
     def pending(self) -> int:
         """Bytes fed and not yet taken as whole frames: the input this
-        decoder holds (an unfinished frame, or frames waiting behind a long command)."""
-        return self._fed - self._frame_start
+        decoder holds (an unfinished frame, or frames waiting behind a long command).
+        A frame held until whole counts twice: its probe keeps a copy."""
+        held = self._fed - self._frame_start
+        return held if self._whole is None else 2 * held
+
+    def _take_whole(self) -> bool:
+        """The Unpacker met an array longer than it takes as it comes (it
+        stopped there, its state cleared). If the frame is whole in the bytes
+        fed, it is decoded at once (``_ready``, True); else it is held until
+        whole, unless what it claims already takes it past the maximum size."""
+        start = self._frame_start
+        if start < self._chunks_start:  # its start is no longer kept (see KEEP_PENDING)
+            raise FrameTooLarge(f"an array of more than {CLAIMED_ARRAY_LEN} elements more than {KEEP_PENDING} "
+                                f"bytes into a frame that came over several reads (send long arrays first)")
+        last, base = self.last_chunk()
+        # The rest of the read, without a copy when the frame starts in its last chunk (the usual case).
+        rest = memoryview(last)[start - base:] if start >= base else memoryview(self._pending())
+        rest = rest[:self.max_frame_size]
+        probe = self._new_unpacker(self.max_frame_size)  # skip() builds nothing: its claims cost nothing
+        fed, window, whole = 0, 4096, False  # most such frames are small: a growing window, not the whole read
+        while not whole:
+            probe.feed(rest[fed:window])
+            fed = min(window, len(rest))
+            try:
+                probe.skip()
+                whole = True
+            except msgpack.OutOfData:
+                if fed >= len(rest):
+                    break
+                window *= 4
+            except msgpack.StackError:
+                raise FramingError(f"malformed frame: containers nested more than {MAX_NESTING} deep") from None
+            except Exception as exc:
+                raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+        if whole:
+            end = probe.tell()
+            frame = self._decode_whole(rest[:end])
+            rest.release()
+            unpacker = self._unpacker
+            unpacker.read_bytes(start + end - unpacker.tell())  # past the frame: on with the next one
+            self._ready = (frame, start + end)
+            return True
+        rest = bytes(rest)
+        self._completion(rest)  # FrameTooLarge if its claims cannot fit
+        # Held until whole: a fresh Unpacker gets the frame then (_feed_whole).
+        self._base += start
+        self._unpacker = self._new_unpacker(self.max_frame_size)
+        self._reset_offsets()
+        self._chunks = [rest]
+        self._fed = len(rest)
+        self._whole = probe
+        return False
+
+    def _feed_whole(self, data: bytes) -> None:
+        """More bytes of a frame held until whole (see _take_whole)."""
+        probe = self._whole
+        if self._fed > self.max_frame_size:
+            data = memoryview(data)[:max(0, self.max_frame_size - (self._fed - len(data)))]
+        probe.feed(data)
+        try:
+            probe.skip()
+        except msgpack.OutOfData:
+            if self._fed > self.max_frame_size:
+                raise FrameTooLarge(f"incomplete frame of {self._fed} bytes exceeds the maximum frame size "
+                                    f"{self.max_frame_size}") from None
+            return
+        except msgpack.StackError:
+            raise FramingError(f"malformed frame: containers nested more than {MAX_NESTING} deep") from None
+        except Exception as exc:
+            raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+        end = probe.tell()
+        self._whole = None
+        whole = b"".join(self._chunks)
+        self._chunks = [whole]
+        frame = self._decode_whole(whole[:end])
+        self._unpacker.feed(whole)
+        self._unpacker.skip()  # the frame just decoded: the Unpacker goes on after it
+        self._ready = (frame, end)
+
+    def _decode_whole(self, data: bytes) -> Any:
+        """A whole frame, with arrays as long as its bytes allow."""
+        try:
+            return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False, max_ext_len=0)
+        except Exception as exc:
+            raise FramingError(f"malformed frame: {type(exc).__name__}: {exc}") from None
 
     def _hold_once(self) -> None:
         """The unfinished frame is past KEEP_PENDING: keep one copy (see there)."""
@@ -332,7 +455,7 @@ class FrameDecoder:
         room = self.max_frame_size - len(data)
         while True:
             try:
-                probe.unpack()
+                probe.skip()  # builds nothing: what the frame's arrays claim costs nothing here
                 return False
             except msgpack.OutOfData:
                 if room <= 0:

@@ -4,8 +4,11 @@ chose is written into a log line.
 A name is 1 to 255 bytes of UTF-8 (the limit of AMQP 0-10's str8, which Qpid
 and RabbitMQ keep) with no control character: a newline in a name would let
 a client forge whole lines in the broker's log, and a terminal escape would
-act on whoever reads ``qflow-stat``. Names the broker already holds (recovered
-from a data directory) are kept whatever they hold: the rule is applied where
+act on whoever reads ``qflow-stat``. Nor may it hold a bidirectional control
+(U+202A-U+202E, U+2066-U+2069, the marks U+200E, U+200F, U+061C) or an
+invisible one (U+200B-U+200D, U+FEFF): they make one name show as another in
+the console and the tools. Names the broker already holds (recovered from a
+data directory) are kept whatever they hold: the rule is applied where
 a client asks for a new name, never on recovery.
 """
 
@@ -16,6 +19,10 @@ import unicodedata
 from qflow.protocol.spec import INVALID_ARGUMENT, CommandError
 
 MAX_NAME = 255  # bytes of UTF-8
+# Characters that make a name show as another (a right-to-left override reverses what follows it) or
+# hide in it: bidirectional embeddings, overrides, isolates and marks; zero-width space, joiners, BOM.
+_SPOOFING = frozenset("\u061c\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                      "\u2066\u2067\u2068\u2069\ufeff")
 
 
 def name_problem(name: str) -> str | None:
@@ -27,6 +34,9 @@ def name_problem(name: str) -> str | None:
         for i, ch in enumerate(name):
             if unicodedata.category(ch) == "Cc":
                 return f"a name must not contain control characters ({_escape(ch)} at position {i})"
+            if ch in _SPOOFING:
+                return (f"a name must not contain bidirectional or invisible formatting characters "
+                        f"({_escape(ch)} {unicodedata.name(ch, '')} at position {i})")
     return None
 
 

@@ -24,11 +24,15 @@ from qflow.protocol.connection import AuthFailed, ConnectionEnd, Opened
 from qflow.protocol.framing import READ_SIZE, FramingError
 from qflow.protocol.names import printable
 from qflow.protocol.sasl import Users
+from qflow.server.auth_guard import AuthGuard
 from qflow.server.input_budget import InputBudget
+from qflow.server.memory_monitor import PublishGate
 from qflow.server.pump import ConnectionPump
 from qflow.transport.tls import certificate_name, handshake_failure
 
 log = logging.getLogger("qflow.server")
+
+MEMORY_ALARM = "memory alarm"  # the memory alarm's name as a holder (qflow.broker.memory_alarm)
 
 # Bytes of deliveries a connection may have queued or in the socket's send at
 # once. Past it the broker delivers nothing more to it until its peer reads:
@@ -58,8 +62,11 @@ class Connection:
                  users: Users | None = None, secret: bytes = b"", announce: dict[str, Any] | None = None, *,
                  negotiate_time: float = 0.0, idle_timeout: float = 0.0,
                  admit: Callable[[str], str | None] | None = None, budget: InputBudget | None = None,
+                 auth_guard: AuthGuard | None = None, ip: str = "?", publish_gate: PublishGate | None = None,
                  initial: bytes = b"", connected_at: float | None = None) -> None:
         """``budget``: the broker-wide bound on input in unfinished frames, told after each read;
+        ``auth_guard``: failed authentication per address (``ip``, the peer's), PLAIN's hashing off the loop;
+        ``publish_gate``: closed while the memory alarm is set (then a connection that only publishes is not read);
         ``initial``: its first bytes, read already (to tell its protocol); ``connected_at``: when
         it was accepted (its handshake's time counts from then), if not now."""
         self.initial = initial
@@ -84,6 +91,11 @@ class Connection:
         self._reader_scope = trio.CancelScope()
         self.budget = budget
         self.evicted: str | None = None  # why the broker closed this connection (the input budget, an operator)
+        self.auth_guard = auth_guard
+        self.ip = ip
+        self.publish_gate = publish_gate
+        if auth_guard is not None:
+            self.pump.defer_password_checks()
 
     # The negotiated values, as the management API reads them.
     name = _negotiated("name")
@@ -151,8 +163,11 @@ class Connection:
                     protocol.connection_lost()  # no TLS session: nothing can be written to it
                     log.warning("connection %s: TLS handshake failed: %s", self.peer, exc)
                 except AuthFailed as exc:
-                    log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
-                                printable(exc.user), exc.detail)
+                    if self.auth_guard is not None:
+                        self.auth_guard.failed(self.ip, self.peer, exc.user, exc.detail)
+                    else:
+                        log.warning("connection %s: authentication failed for user '%s' (%s)", self.peer,
+                                    printable(exc.user), exc.detail)
                 except ConnectionEnd as exc:
                     self._log_closed(printable(exc.text))
                 except FramingError as exc:
@@ -249,6 +264,18 @@ class Connection:
                 if self._closing:
                     return
 
+    def _only_publishes(self) -> bool:
+        """The memory alarm holds this connection's transfers, and it consumes
+        nothing: not reading it cannot hold up what would free memory."""
+        held = False
+        for ssn in self.sessions.values():
+            if ssn is None:
+                continue
+            if ssn.consumers or ssn.unacked_count:
+                return False
+            held = held or MEMORY_ALARM in ssn.holder_since
+        return held
+
     @property
     def reading_paused(self) -> bool:
         """The connection's output is full: the broker reads nothing more from it until its peer reads."""
@@ -296,6 +323,10 @@ class Connection:
             await self._handshake(self.stream)
         decoder = self.pump.decoder
         budget = self.budget
+        guard = self.auth_guard
+        if guard is not None:  # an address that failed recently waits its turn before its open is read
+            with trio.move_on_at(protocol.peer_deadline):
+                await guard.wait_turn(self.ip)
         initial, self.initial = self.initial, b""
         while True:
             if initial:
@@ -308,6 +339,9 @@ class Connection:
             if budget is not None:
                 decoder.hold_exact = budget.crowded
             self.pump.receive(data, now())  # b"" (the client is gone) ends it
+            check = self.pump.password_check
+            if check is not None:  # PLAIN: its hashing in a worker thread, the loop serves the others
+                self.pump.finish_password_check(await guard.check_password(check.verifier, check.password))
             if budget is not None:
                 for conn, reason in budget.update(self, decoder.pending):
                     conn.evict(reason)
@@ -320,3 +354,7 @@ class Connection:
                         await self._output_room()
                         self.pump.resume()
                 protocol.kept_waiting(now())  # its heartbeats wait unread meanwhile
+            gate = self.publish_gate
+            if gate is not None and gate.closed and self._only_publishes():
+                await gate.wait_open()  # TCP back-pressure: its producer stops until the alarm clears
+                protocol.kept_waiting(now())

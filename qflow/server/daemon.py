@@ -22,6 +22,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -252,7 +253,7 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             alarm = MemoryAlarm(broker, args.memory_high, args.memory_low)
             if alarm.high:
                 log.info("memory alarm: high watermark %d bytes, low watermark %d bytes", alarm.high, alarm.low)
-                nursery.start_soon(run_memory_monitor, alarm)
+                nursery.start_soon(partial(run_memory_monitor, alarm, gate=server.publish_gate))
             else:
                 log.info("memory alarm: off (--memory-high-watermark 0)")
             ssl_port = None

@@ -34,8 +34,10 @@ from qflow.server.admission import (
 )
 from qflow.server.amqp_connection import AmqpConnection
 from qflow.server.amqp_pump import DEFAULT_CREDIT_WINDOW
+from qflow.server.auth_guard import AuthGuard
 from qflow.server.connection import Connection
 from qflow.server.input_budget import InputBudget
+from qflow.server.memory_monitor import PublishGate
 from qflow.transport.read_buffers import keep_read_buffers_in_heap
 from qflow.transport.tls import certificate_name, handshake_failure
 
@@ -59,6 +61,8 @@ class Server:
         self.admission = Admission(self.limits)  # one count over every port (plain and TLS)
         self.throttle = Throttle()
         self.input_budget = InputBudget(self.limits.max_unfinished_input, self.throttle)
+        self.auth_guard = AuthGuard(throttle=self.throttle)  # failed authentication, per address
+        self.publish_gate = PublishGate()  # closed by the memory monitor while the memory alarm is set
         self.connections: set[Connection | AmqpConnection] = set()
         # What every connection.open-ok tells the client beyond the handshake (the management port).
         self.announce: dict[str, Any] = {}
@@ -107,7 +111,7 @@ class Server:
                 return
             self.admission.enter(host)
             try:
-                await self._serve(stream, sock, peer)
+                await self._serve(stream, sock, peer, host)
             finally:
                 self.admission.leave(host)
         except Exception as exc:  # MemoryError included: this connection ends, the broker carries on
@@ -128,7 +132,7 @@ class Server:
             socket_of(stream).close()
 
     async def _serve(self, stream: trio.SocketStream | trio.SSLStream, sock: trio.socket.SocketType,
-                     peer: str) -> None:
+                     peer: str, ip: str = "?") -> None:
         admitted: list[str] = []  # the user counted for this connection, once authenticated
 
         def admit(user: str) -> str | None:
@@ -156,6 +160,7 @@ class Server:
             conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
                               negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,
                               admit=admit if self.limits.per_user else None, budget=self.input_budget,
+                              auth_guard=self.auth_guard, ip=ip, publish_gate=self.publish_gate,
                               initial=initial, connected_at=accepted_at)
         self.connections.add(conn)
         try:

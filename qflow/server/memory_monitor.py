@@ -64,9 +64,36 @@ def _malloc_trim() -> Callable[[], None] | None:
     return lambda: trim(0)
 
 
+class PublishGate:
+    """Open unless the memory alarm is set. While it is closed, a connection
+    that only publishes (its transfers held by the alarm, no subscriptions,
+    no deliveries to accept) is not read (qflow.server.connection): TCP
+    back-pressure stops its producer, however many sends its capacity allows,
+    as RabbitMQ blocks publishing connections. Holding completion alone bounds
+    only a producer with a small capacity."""
+
+    def __init__(self) -> None:
+        self._opened = trio.Event()
+        self._opened.set()
+
+    @property
+    def closed(self) -> bool:
+        return not self._opened.is_set()
+
+    def set(self, closed: bool) -> None:
+        if closed and not self.closed:
+            self._opened = trio.Event()
+        elif not closed:
+            self._opened.set()
+
+    async def wait_open(self) -> None:
+        await self._opened.wait()
+
+
 async def run_memory_monitor(alarm: MemoryAlarm, measure: Callable[[], int] = resident_bytes,
-                             interval: float = INTERVAL) -> None:
-    """Feed ``alarm`` the memory in use every ``interval`` seconds, until cancelled."""
+                             interval: float = INTERVAL, gate: PublishGate | None = None) -> None:
+    """Feed ``alarm`` the memory in use every ``interval`` seconds, until
+    cancelled; ``gate`` is closed while the alarm is set."""
     trim = _malloc_trim()
     last_trim = -TRIM_INTERVAL
     while True:
@@ -77,4 +104,6 @@ async def run_memory_monitor(alarm: MemoryAlarm, measure: Callable[[], int] = re
             last_trim = now
             await trio.to_thread.run_sync(trim)
             alarm.update(measure())
+        if gate is not None:
+            gate.set(alarm.alarmed)
         await trio.sleep(interval)

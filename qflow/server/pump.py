@@ -28,6 +28,7 @@ from qflow.protocol.connection import (
     DetachRequested,
     FlushRequested,
     Opened,
+    PasswordCheck,
     ProtocolConnection,
     Role,
     State,
@@ -96,6 +97,24 @@ class ConnectionPump:
         # The output reached its limit while commands were being taken: the frames after wait in
         # the decoder (and the glue reads no more) until the peer has read some (resume()).
         self.output_full = False
+        # A PLAIN password for the glue to check off its loop (``defer_password_checks``); the frames
+        # after the open wait in the decoder until finish_password_check().
+        self.password_check: PasswordCheck | None = None
+
+    def defer_password_checks(self) -> None:
+        """Hand PLAIN's password checks to the glue (``password_check``) instead of hashing inline."""
+        self.protocol.defer_password_checks = True
+
+    def finish_password_check(self, matches: bool) -> None:
+        """The glue checked ``password_check``: open the connection (and take
+        the frames that waited), or raise AuthFailed."""
+        self.password_check = None
+        event = self.protocol.finish_password_check(matches)
+        if event is not None:
+            self.on_opened(event)
+        self.wake()
+        self._handle_frames()
+        self.broker.flush()
 
     @property
     def opened(self) -> bool:
@@ -222,8 +241,8 @@ class ConnectionPump:
                     break
             else:
                 self._control(frame)
-                if self.unfinished is not None:  # a detach with many deliveries to put back
-                    break
+                if self.unfinished is not None or self.password_check is not None:
+                    break  # a detach with many deliveries to put back, or a password to check
                 if encoder.queued + encoder.sending >= encoder.limit:
                     self.output_full = True
                     break
@@ -238,6 +257,9 @@ class ConnectionPump:
                 self.wake()
             return
         kind = type(event)
+        if kind is PasswordCheck:
+            self.password_check = event
+            return
         if kind is AttachRequested:
             ssn = self.broker.open_session(event.channel, event.name,
                                            self.protocol.session_output(event.channel, self.wake), self.protocol.user,

@@ -47,25 +47,34 @@ segment's bytes live, its live messages are staged again (the journal keeps
 each live entry in memory; the broker holds it anyway) and the segment dies
 with that commit: a slow queue cannot pin the whole journal.
 
-Recovery reads the segments in order and stops at the first bad record (short,
-wrong length or crc, or malformed), keeping everything before it and logging
-the file, the offset and what was wrong. What follows a bad record is moved
-into ``dropped/`` so that the next recovery cannot stop there again, behind
-records written after this one. Recovered entries are marked redelivered: the
-journal does not record deliveries, so any of them may have been delivered
-(and, a removal being lazy, even accepted) before the crash. AMQP 0-10's
+Recovery reads the segments in order. A bad record (short, wrong length or
+crc, or malformed) at the end of the last segment is a write cut short (by a
+crash, or a full disk): nothing in it was confirmed, so it is cut off (and
+kept in ``dropped/`` if the disk has room). A bad record anywhere else is
+skipped, by its length field, when that leads to the segment's end or to a
+good record (else the rest of its segment is skipped: nothing is scanned for
+what looks like a record, since a message body could hold one), and the
+recovery goes on, logging the file, the offset and what was wrong. The
+messages live before a skipped record are withheld, not restored, unless a
+later record settles them (enqueues them again, dequeues them or deletes
+their queue): the skipped record may have dequeued them, and a consumed
+message must not come back. Their segments are hard-linked into ``dropped/``
+(no new space) for ``qflow-salvage``. Recovered entries are marked
+redelivered: the journal does not record deliveries, so any of them may have
+been delivered (and, a removal being lazy, even accepted) before the crash. AMQP 0-10's
 redelivered flag means "may have been delivered before"; qpidd marks only
 what it knows was delivered, but it records deliveries, and we do not.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
 import zlib
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from pathlib import Path
@@ -254,7 +263,8 @@ class Journal:
         self._fd = -1  # the writer's: the current segment's file
         self._fd_segment = -1
         self._roll = False  # the next commit opens a new segment (compact_to_fit)
-        self.dropped: list[str] = []  # what the recovery dropped, and why (also logged)
+        self.dropped: list[str] = []  # what the recovery dropped or skipped, and why (also logged)
+        self.withheld: dict[str, int] = {}  # per queue, messages not restored after a skipped record
 
     # -- staging (the loop) ---------------------------------------------------
     def _name(self, queue: str) -> int:
@@ -584,29 +594,27 @@ class Journal:
         self.directory.mkdir(parents=True, exist_ok=True)
         numbers = sorted(int(p.name[:-len(SUFFIX)]) for p in self.directory.glob("*" + SUFFIX)
                          if p.name[:-len(SUFFIX)].isdigit())
-        state: dict[str, dict[int, tuple[int, Entry]]] = {}  # queue -> seq -> (segment, entry)
-        sizes: dict[int, int] = {}
-        bad_at = None
-        for i, number in enumerate(numbers):
-            path = self._path(number)
-            if i and number != numbers[i - 1] + 1:
-                log.warning("journal %s: segments %d to %d are missing (messages they removed may come back)",
-                            self.directory, numbers[i - 1] + 1, number - 1)
-            data = path.read_bytes()
-            offset, reason = _read_segment(data, number, state)
-            if offset < 0:
-                sizes[number] = len(data)
-                continue
-            bad_at = (i, number, offset, len(data), reason)
-            break
-        if bad_at is not None:
-            i, number, offset, length, reason = bad_at
-            self._drop(number, offset, length, reason, numbers[i + 1:])
+        read = _read_journal(self.directory, numbers)
+        state, suspects, sizes, torn = read.state, read.suspects, read.sizes, read.torn
+        for msg in read.skipped:
+            log.error("journal recovery: %s", msg)
+            self.dropped.append(msg)
+        if torn is not None:
+            i, number, offset, length, reason = torn
+            self._drop(number, offset, length, reason)
             if offset > 0:
                 sizes[number] = offset
             kept = numbers[:i + (1 if offset > 0 else 0)]
         else:
             kept = numbers
+        if read.first_skip is not None:
+            self._keep_aside(numbers, "skipped-{:08d}-at-{}".format(*read.first_skip))
+        self.withheld = {q: len(m) for q, m in suspects.items() if m}
+        for queue, n in self.withheld.items():
+            log.error("journal recovery: %d message(s) of queue '%s' written before a skipped record are not "
+                      "restored: the skipped record may have dequeued them (the segments are kept in %s; "
+                      "qflow-salvage lists them)", n, queue, self.directory / "dropped" / "skipped-{:08d}-at-{}"
+                      .format(*read.first_skip))
         self._next_number = (kept[-1] + 1) if kept else 1
         for number in kept:
             self._segments[number] = _Segment(number)
@@ -638,27 +646,60 @@ class Journal:
         self._recovered = True
         return result
 
-    def _drop(self, number: int, offset: int, length: int, reason: str, later: list[int]) -> None:
+    def _drop(self, number: int, offset: int, length: int, reason: str) -> None:
+        """Cut the last segment's torn tail at ``offset``. What is cut off is
+        kept in ``dropped/`` if the disk has room for it; on a full disk it is
+        not (a copy would need new space, and a broker that cannot recover
+        cannot be drained either): the cut needs none."""
         where = self.directory / "dropped"
-        where.mkdir(exist_ok=True)
         path = self._path(number)
         msg = f"{path} at offset {offset} of {length}: {reason}; dropped {length - offset} bytes"
-        if later:
-            msg += f" and the later segments {', '.join(f'{n:08d}' for n in later)}"
         log.error("journal recovery stopped: %s", msg)
         self.dropped.append(msg)
-        with open(path, "rb") as f:
-            f.seek(offset)
-            (where / f"{number:08d}.at-{offset}").write_bytes(f.read())
+        try:
+            where.mkdir(exist_ok=True)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                tail = f.read()
+            copy = where / f"{number:08d}.at-{offset}"
+            try:
+                copy.write_bytes(tail)
+            except OSError:
+                copy.unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            log.error("journal recovery: no space to keep a copy of the %d bytes cut from %s (%s): they are "
+                      "not kept", length - offset, path, exc.strerror)
+            self.dropped.append(f"{path}: the {length - offset} bytes cut off could not be kept ({exc.strerror})")
         if offset > 0:
             os.truncate(path, offset)
         else:
             os.unlink(path)
-        for n in later:
-            os.replace(self._path(n), where / self._path(n).name)
         fsync_dir(self.directory)
 
+    def _keep_aside(self, numbers: list[int], name: str) -> None:
+        """Hard-link segments ``numbers`` (all of them, as this recovery read
+        them) into ``dropped/NAME/``, once per skipped record: the messages it
+        withheld stay on disk once the journal lets their segments die, and
+        qflow-salvage replays that snapshot to list them. A link needs no new
+        space for the data."""
+        where = self.directory / "dropped" / name
+        if where.exists():  # a recovery before this one kept it: that is the one that decided
+            return
+        try:
+            where.mkdir(parents=True)
+            for n in numbers:
+                if self._path(n).exists():
+                    os.link(self._path(n), where / self._path(n).name)
+            fsync_dir(where)
+        except OSError as exc:
+            log.error("journal recovery: could not keep the segments in %s (%s): the messages not restored "
+                      "will be gone with them", where, exc.strerror)
 
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _HEADER_RECORD_SIZE = _RECORD.size + _HEADER.size
 # The smallest a journal can be: one segment, its header and an empty batch (compact_to_fit's floor).
 SMALLEST_JOURNAL = _HEADER_RECORD_SIZE + _RECORD.size + Batch().payload_size()
@@ -743,10 +784,72 @@ def encoder_for(kind: str | None = None) -> Callable[[Batch], bytes | bytearray]
 encode = encoder_for()
 
 
-def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int, Entry]]]) -> tuple[int, str]:
-    """Apply segment ``number``'s records to ``state``: (-1, "") if all were
-    good, else (the offset of the first bad record, what was wrong with it)."""
+@dataclass
+class _Read:
+    """What reading a journal's segments found (:func:`_read_journal`)."""
+
+    state: dict[str, dict[int, tuple[int, Entry]]] = field(default_factory=dict)  # queue -> seq -> (segment, entry)
+    # Live before a record that had to be skipped, and not settled by a good record since: that
+    # record may have dequeued them, so they are not restored (module doc; docs/store.md).
+    suspects: dict[str, dict[int, tuple[int, Entry]]] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)  # segment -> its bytes read whole
+    skipped: list[str] = field(default_factory=list)  # each record skipped, said for the log
+    first_skip: tuple[int, int] | None = None  # (segment, offset) of the first record skipped
+    torn: tuple[int, int, int, int, str] | None = None  # (index, segment, offset, size, why): the last one's tail
+
+
+def _read_journal(directory: Path, numbers: list[int]) -> _Read:
+    """Read segments ``numbers`` (in order) of the journal in ``directory``;
+    nothing on disk changes."""
+    read = _Read()
+    for i, number in enumerate(numbers):
+        path = directory / f"{number:08d}{SUFFIX}"
+        if i and number != numbers[i - 1] + 1:
+            log.warning("journal %s: segments %d to %d are missing (messages they removed may come back)",
+                        directory, numbers[i - 1] + 1, number - 1)
+        data = path.read_bytes()
+        skips, tail = _read_segment(data, number, read.state, read.suspects, i == len(numbers) - 1)
+        for offset, nbytes, reason in skips:
+            read.skipped.append(f"{path} at offset {offset} of {len(data)}: {reason}; skipped {nbytes} bytes and "
+                                f"went on with the next good record")
+            if read.first_skip is None:
+                read.first_skip = (number, offset)
+        if tail is None:
+            read.sizes[number] = len(data)
+        else:
+            read.torn = (i, number, tail[0], len(data), tail[1])
+    return read
+
+
+def salvage(directory: str | os.PathLike[str]) -> Iterator[tuple[str, str, int, Entry]]:
+    """The messages a recovery withheld after skipping a damaged record, from
+    the snapshots it kept in ``directory/dropped/skipped-*`` (``directory``:
+    the journal's): (snapshot, queue, sequence, entry), each snapshot replayed
+    as that recovery read it. Reads only."""
+    for snapshot in sorted((Path(directory) / "dropped").glob("skipped-*")):
+        numbers = sorted(int(p.name[:-len(SUFFIX)]) for p in snapshot.glob("*" + SUFFIX)
+                         if p.name[:-len(SUFFIX)].isdigit())
+        read = _read_journal(snapshot, numbers)
+        for queue, msgs in sorted(read.suspects.items()):
+            for seq in sorted(msgs):
+                yield snapshot.name, queue, seq, msgs[seq][1]
+
+
+def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int, Entry]]],
+                  suspects: dict[str, dict[int, tuple[int, Entry]]],
+                  last: bool) -> tuple[list[tuple[int, int, str]], tuple[int, str] | None]:
+    """Apply segment ``number``'s good records to ``state``. Returns the bad
+    records skipped, as (offset, bytes skipped, what was wrong), and the torn
+    tail (its offset, what was wrong) if the segment is the journal's ``last``
+    and ends in bad bytes (a write cut short: nothing in it was confirmed).
+
+    A bad record is skipped when its length field leads to the segment's end
+    or to a good record; then everything live in ``state`` becomes a suspect.
+    A bad length field leaves nothing to go on in the segment: the rest of it
+    is skipped (no scan for something that looks like a record: a message
+    body could hold one)."""
     pos, end, first = 0, len(data), True
+    skips: list[tuple[int, int, str]] = []
     view = memoryview(data)
     while pos < end:
         try:
@@ -760,8 +863,8 @@ def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int
             if zlib.crc32(payload) != crc:
                 raise _BadRecord(f"crc32 mismatch over {length} bytes")
             kind = payload[0] if length else 0
-            if first:
-                if kind != KIND_HEADER or length != _HEADER.size:
+            if first and kind == KIND_HEADER:
+                if length != _HEADER.size:
                     raise _BadRecord("no segment header")
                 _, magic, version, seg, algo = _HEADER.unpack(payload)
                 if magic != MAGIC or version != VERSION or algo != CRC32:
@@ -769,23 +872,57 @@ def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int
                                      f"expected {MAGIC!r} {VERSION} {CRC32}")
                 if seg != number:
                     raise _BadRecord(f"header says segment {seg}")
-                first = False
+            elif first and not skips:
+                raise _BadRecord("no segment header")
             elif kind == KIND_BATCH:
-                _apply_batch(payload, number, state)
+                _apply_batch(payload, number, state, suspects)
             else:
                 raise _BadRecord(f"unknown record kind {kind}")
-        except _BadRecord as exc:
-            return pos, str(exc)
-        except (struct.error, IndexError, UnicodeDecodeError) as exc:  # a good crc over a malformed batch
-            return pos, f"malformed batch: {exc}"
+            first = False
+        except (_BadRecord, struct.error, IndexError, UnicodeDecodeError) as exc:
+            reason = str(exc) if isinstance(exc, _BadRecord) else f"malformed batch: {exc}"  # a good crc, bad content
+            nxt = _next_record(data, pos)
+            if last and (nxt is None or nxt == end):
+                return skips, (pos, reason)
+            if nxt is None:
+                nxt = end
+                reason += "; its length leads to no good record: the rest of the segment"
+            skips.append((pos, nxt - pos, reason))
+            for queue, msgs in state.items():  # all live so far: the skipped record may have removed them
+                suspects.setdefault(queue, {}).update(msgs)
+            state.clear()
+            first = False
+            pos = nxt
+            continue
         pos = start + length
     if first:
-        return 0, "empty segment: no header"
-    return -1, ""
+        return skips, (0, "empty segment: no header") if last else None
+    return skips, None
 
 
-def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[int, Entry]]]) -> None:
-    """Decode a batch payload and apply it to ``state``, all or nothing."""
+def _next_record(data: bytes, pos: int) -> int | None:
+    """Where the record after the bad one at ``pos`` starts, by its length
+    field, if that is the segment's end or a good record's start; else None."""
+    end = len(data)
+    if end - pos < _RECORD.size:
+        return None
+    length, _ = _RECORD.unpack_from(data, pos)
+    nxt = pos + _RECORD.size + length
+    if nxt == end:
+        return nxt
+    if nxt + _RECORD.size > end:
+        return None
+    length, crc = _RECORD.unpack_from(data, nxt)
+    if length > end - nxt - _RECORD.size or zlib.crc32(memoryview(data)[nxt + _RECORD.size:nxt + _RECORD.size + length]) != crc:
+        return None
+    return nxt
+
+
+def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[int, Entry]]],
+                 suspects: dict[str, dict[int, tuple[int, Entry]]] | None = None) -> None:
+    """Decode a batch payload and apply it to ``state``, all or nothing. A
+    suspect (see _read_segment) it enqueues again (a carried copy: it was
+    live then), dequeues or deletes is settled: no longer a suspect."""
     pos = 1
     (nnames,), pos = _U32.unpack_from(p, pos), pos + 4
     names = []
@@ -835,3 +972,13 @@ def _apply_batch(p: memoryview, number: int, state: dict[str, dict[int, tuple[in
         else:
             for (qi,) in items:
                 state.pop(names[qi], None)
+    if suspects:
+        for op, items in ops:
+            if op == REC_DELETE:
+                for (qi,) in items:
+                    suspects.pop(names[qi], None)
+            else:
+                for item in items:
+                    held = suspects.get(names[item[0]])
+                    if held:
+                        held.pop(item[1], None)
