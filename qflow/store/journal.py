@@ -95,6 +95,10 @@ KIND_HEADER, KIND_BATCH = 1, 2
 REC_ENQUEUE, REC_DEQUEUE, REC_DELETE = 1, 2, 3
 
 DEFAULT_SEGMENT_SIZE = 32 << 20  # the quota's step (qflowd --store-segment-size, docs/store.md)
+# Space kept aside beside the segments (the file ``reserve``), released at a start on a nearly full
+# disk: the commits that record consumers' removals, which free space, then have room to be written.
+RESERVE_NAME = "reserve"
+RESERVE_SIZE = 256 * 1024
 
 _RECORD = struct.Struct("<II")  # length, crc32
 _HEADER = struct.Struct("<B4sHQB")
@@ -644,7 +648,31 @@ class Journal:
             self._segments[number].take(group)
         # Segments with nothing live die with the first commit (head first, as always).
         self._recovered = True
+        self._keep_reserve()
         return result
+
+    def _keep_reserve(self) -> None:
+        """Keep :data:`RESERVE_SIZE` bytes aside in the file ``reserve`` while
+        the disk has room for it twice; on a nearly full disk, release it, so
+        that the commits recording what consumers take (which free whole
+        segments) can be written."""
+        path = self.directory / RESERVE_NAME
+        try:
+            st = os.statvfs(self.directory)
+            free = st.f_bavail * st.f_frsize
+            if free < 2 * RESERVE_SIZE:
+                if path.exists():
+                    path.unlink()
+                    log.warning("journal: the disk holding %s is nearly full (%d bytes free): its reserve of %d "
+                                "bytes is released, so that consumers' removals can be written and free space",
+                                self.directory, free, RESERVE_SIZE)
+            elif not path.exists() or path.stat().st_size < RESERVE_SIZE:
+                with open(path, "wb") as f:
+                    f.write(bytes(RESERVE_SIZE))
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as exc:  # the reserve is a help, never a reason not to start
+            log.warning("journal: cannot keep the reserve in %s: %s", self.directory, exc.strerror or exc)
 
     def _drop(self, number: int, offset: int, length: int, reason: str) -> None:
         """Cut the last segment's torn tail at ``offset``. What is cut off is
