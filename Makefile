@@ -1,5 +1,5 @@
 # Two commands do all the setup on a fresh machine: `make run` (the broker and its tools) and
-# `make test` (those plus the test extras: pytest, Spark, Playwright, and Debian's chromium).
+# `make test` (those plus the test extras: pytest, Spark, Playwright, Debian's chromium, and rhea).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -48,6 +48,15 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
+# rhea, the JavaScript AMQP 1.0 client the tests run against qflowd (tests/test_amqp_rhea.py), pinned,
+# into the venv's own node directory (never the checkout); Node itself is the machine's (/usr/bin/node).
+RHEA_VERSION := 3.0.5
+RHEA := $(VENV)/node/node_modules/rhea/package.json
+$(RHEA): | $(PY)
+	npm install --prefix $(VENV)/node --no-save --no-audit --no-fund --no-package-lock rhea@$(RHEA_VERSION)
+	@grep -q '"version": "$(RHEA_VERSION)"' $(RHEA) || (echo "rhea $(RHEA_VERSION) not installed" && exit 1)
+	touch $(RHEA)
+
 install: $(RUN_STAMP)
 
 run: $(RUN_STAMP)
@@ -55,7 +64,7 @@ run: $(RUN_STAMP)
 
 # The benchmarks' smoke run first (so they never rot), then the whole suite once
 # per accounting implementation; pytest's summary is the last line.
-test: $(STAMP) | $(CHROMIUM)
+test: $(STAMP) $(RHEA) | $(CHROMIUM)
 	$(PY) bench/run.py --smoke
 	QFLOW_ACCOUNTING=native $(PY) -m pytest
 	QFLOW_ACCOUNTING=python $(PY) -m pytest -m "not native_only"
@@ -63,7 +72,7 @@ test: $(STAMP) | $(CHROMIUM)
 # Flakiness check: the suite N times, JOBS at once; lists every test that failed at least once.
 N ?= 10
 JOBS ?= 1
-test-repeat: $(STAMP) | $(CHROMIUM)
+test-repeat: $(STAMP) $(RHEA) | $(CHROMIUM)
 	$(PY) tools/test_repeat.py -n $(N) --jobs $(JOBS)
 
 # The differential and model Hypothesis tests, over and over with a fresh seed each round and FUZZ_SCALE
