@@ -143,6 +143,20 @@ def test_a_rhea_sender_is_held_by_a_stopped_queue_and_released(qflowd: Daemon) -
     assert stats(qflowd, "q")["msgDepth"] == 0
 
 
+def test_a_rhea_receiver_ends_deliveries_with_each_outcome(qflowd: Daemon) -> None:
+    """released puts the message back; modified with delivery-failed puts it
+    back with its delivery-count + 1; rejected drops it; accepted dequeues."""
+    declare(qflowd, "q")
+    send_with_qflow(qflowd, "q", [b"one", b"two"])
+    rhea = Rhea("outcomes.js", qflowd.port, "q", "release,modified,reject,accept")
+    assert rhea.finish() == 0, (rhea.lines, rhea.stderr())
+    got = [(line["body"], line["delivery_count"], line["outcome"]) for line in rhea.lines]
+    one, two = {"data": "one"}, {"data": "two"}  # a qflow body reaches a 1.0 receiver as a data section
+    assert got == [(one, 0, "release"), (one, 1, "modified"), (one, 2, "reject"), (two, 0, "accept")]
+    s = stats(qflowd, "q")
+    assert (s["msgDepth"], s["msgTotalDequeues"]) == (0, 2)
+
+
 def test_rhea_authenticates_with_sasl_plain(tmp_path: Any) -> None:
     from qflow.auth.users_file import SaslDb
     from qflow.protocol.sasl import make_verifier
