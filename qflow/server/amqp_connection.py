@@ -11,7 +11,7 @@ silent for longer is closed with ``amqp:resource-limit-exceeded``, naming it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -38,7 +38,7 @@ class AmqpConnection:
     def __init__(self, broker: Broker, stream: trio.abc.Stream, initial: bytes, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"", peer_identity: str | None = None, *,
                  credit_window: int = DEFAULT_CREDIT_WINDOW, idle_timeout: float = 0.0,
-                 admit: Callable[[str], str | None] | None = None) -> None:
+                 admit: Callable[[str], str | None] | None = None, queue_patterns: Sequence[str] = ()) -> None:
         self.broker = broker
         self.stream = stream
         self.initial = initial
@@ -46,7 +46,7 @@ class AmqpConnection:
         self.connected_at = trio.current_time()
         self.pump = AmqpPump(broker, peer, max_frame_size=max(512, max_frame_size), users=users, secret=secret,
                              peer_identity=peer_identity, credit_window=credit_window, idle_timeout=idle_timeout,
-                             output_limit=OUTPUT_LIMIT, wake=self.wake, admit=admit)
+                             output_limit=OUTPUT_LIMIT, wake=self.wake, admit=admit, queue_patterns=queue_patterns)
         self.idle_timeout = idle_timeout
         self._wake = trio.Event()
         self._written = trio.Event()  # set after each write: the output may have room again
