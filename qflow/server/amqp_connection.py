@@ -62,9 +62,32 @@ class AmqpConnection:
         return self.pump.user
 
     @property
-    def sessions(self) -> dict[int, Any]:
-        """Its broker sessions, by channel: a 1.0 session's receiving links' session."""
-        return {ch: s.broker_session for ch, s in self.pump.sessions.items() if s.broker_session is not None}
+    def sessions(self) -> dict[tuple[int, int], Any]:
+        """Its broker sessions, by (channel, handle): each sending link's, and a
+        1.0 session's receiving links' (handle -1)."""
+        out: dict[tuple[int, int], Any] = {}
+        for ch, s in self.pump.sessions.items():
+            if s.broker_session is not None:
+                out[(ch, -1)] = s.broker_session
+            for handle, link in s.sending.items():
+                out[(ch, handle)] = link.session
+        return out
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of deliveries written for this connection and not yet sent."""
+        return self.pump.room.queued + self.pump.room.sending
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of unfinished multi-frame deliveries held for this connection."""
+        return self.pump.core.unfinished_input
+
+    @property
+    def reading_paused(self) -> bool:
+        """The connection's output is full: nothing more is read from it until its peer reads."""
+        room = self.pump.room
+        return room.queued + room.sending >= room.limit
 
     def wake(self) -> None:
         self._wake.set()

@@ -195,6 +195,8 @@ class AmqpPump:
             elif kind is ev.ConnectionOpened:
                 self.name = event.container_id
                 self.opened = True
+                log.info("connection %s opened: name '%s', user '%s' (AMQP 1.0)", self.peer, printable(self.name),
+                         printable(self.user))
                 self.core.open(properties={"product": "qflowd"})
             elif kind is ev.SaslInitReceived:
                 self._sasl_init(event)
