@@ -1,7 +1,7 @@
 """AMQP 1.0 connections "seen like any connection": their sessions and links
 in /api/connections (with ``heldBy`` naming the queue that holds a sender),
-in qflow-stat -c and -u with a protocol column, and an "opened" line in the
-connection log. Real qflowd, proton's BlockingConnection as the client.
+in qflow-stat -c and -u with a protocol column, in the metrics (connections
+per protocol), and an "opened" line in the connection log. Real qflowd, proton's BlockingConnection as the client.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 from proton import Message
 from proton.reactor import Container
 from proton.utils import BlockingConnection
@@ -111,6 +112,13 @@ def test_a_held_1_0_sender_and_a_1_0_receiver_are_seen(qflowd: Daemon) -> None:
         assert len(c["sessions"]) == 2  # the sending link's, and the receiving links' session
         assert [sub["protocol"] for sub in api(qflowd, "/api/subscriptions") if sub["queue"] == "watched"] == \
             ["amqp1.0"]
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{qflowd.mgmt_port}/metrics", timeout=DEADLINE) as response:
+            metrics = response.read().decode()
+        by_protocol = {s.labels["protocol"]: s.value for f in text_string_to_metric_families(metrics)
+                       for s in f.samples if s.name == "qflow_protocol_connections"}
+        assert by_protocol["amqp1.0"] == 1 and by_protocol["qflow"] == 0, by_protocol
+        assert api(qflowd, "/api/broker")["totals"]["connectionsByProtocol"]["amqp1.0"] == 1
 
         rows = stat(qflowd, "-c")
         assert rows[1][:5] == ["connection", "name", "user", "protocol", "connected"]

@@ -198,6 +198,10 @@ def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at
         "queues": len(broker.queues), "exchanges": len(broker.exchanges), "bindings": len(broker.bindings()),
         "connections": len(live_connections(server)), "sessions": len(broker.sessions),
     }
+    by_protocol = {"qflow": 0, "amqp1.0": 0}  # both always shown: a dashboard's series do not come and go
+    for conn in live_connections(server):
+        by_protocol[conn.protocol_name] = by_protocol.get(conn.protocol_name, 0) + 1
+    totals["connectionsByProtocol"] = by_protocol
     totals.update({key: sum(view[key] for view in queues) for key in _SUMMED})
     totals["flowStoppedQueues"] = sum(bool(view["flowStopped"]) for view in queues)
     totals["discardsNoRoute"] = broker.discards_no_route
