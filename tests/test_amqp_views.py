@@ -15,11 +15,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from proton import Message
+from proton import ConnectionException, Message
 from proton.reactor import Container
 from proton.utils import BlockingConnection
 
@@ -138,3 +139,28 @@ def test_a_held_1_0_sender_and_a_1_0_receiver_are_seen(qflowd: Daemon) -> None:
         thread.join(timeout=DEADLINE)
         conn.close()
     assert "opened: name 'amqp-watched', user 'anonymous' (AMQP 1.0)" in qflowd.log()
+
+
+def test_an_operator_closes_a_1_0_connection(qflowd: Daemon) -> None:
+    """DELETE /api/connections/PEER: the client is told amqp:connection:forced with the reason."""
+    declare(qflowd, "q")
+    container = Container()
+    container.container_id = "amqp-closed"
+    conn = BlockingConnection(qflowd.address, timeout=DEADLINE, container=container)
+    try:
+        receiver = conn.create_receiver("q")
+        (peer,) = [c["peer"] for c in api(qflowd, "/api/connections") if c["name"] == "amqp-closed"]
+        request = urllib.request.Request(f"http://127.0.0.1:{qflowd.mgmt_port}/api/connections/{quote(peer, safe='')}",
+                                         method="DELETE", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=DEADLINE) as response:
+            assert json.loads(response.read()) == {"connection": peer, "closed": True}
+        with pytest.raises(ConnectionException, match="amqp:connection:forced.*closed by an operator"):
+            receiver.receive(timeout=DEADLINE)
+    finally:
+        try:
+            conn.close()
+        except ConnectionException:
+            pass
+    wait_for("the 1.0 connection gone", lambda: all(c["name"] != "amqp-closed"
+                                                     for c in api(qflowd, "/api/connections")))
+    assert "closed: name 'amqp-closed', user 'anonymous' (AMQP 1.0): closed by an operator" in qflowd.log()

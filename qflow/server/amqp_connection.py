@@ -98,6 +98,12 @@ class AmqpConnection:
         self.pump.closed_reason = reason
         self._reader_scope.cancel()
 
+    def close_by_operator(self, reason: str) -> None:
+        """Close it at an operator's request (the management API): the client is
+        told ``reason`` with ``amqp:connection:forced``; its sessions close as on
+        any other end (deliveries awaiting an outcome go back to their queues)."""
+        self.evict(reason)
+
     async def run(self) -> None:
         """Serve the connection until it ends; its sessions are closed whatever ends it."""
         pump = self.pump
