@@ -1,5 +1,5 @@
 # Two commands do all the setup on a fresh machine: `make run` (the broker and its tools) and
-# `make test` (those plus the test extras: pytest, Spark, Playwright, and Debian's chromium).
+# `make test` (those plus the test extras: pytest, Spark, Playwright, Debian's chromium, and rhea).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ MGMT_PORT ?= 8672
 # make run DATA_DIR=DIR: qflowd's --data-dir (default: ~/.qflowd), e.g. for a second broker beside the first
 DATA_DIR ?=
 
-.PHONY: run test test-repeat fuzz install lint bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
+.PHONY: run test test-repeat fuzz install lint interop bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
+# rhea, the JavaScript AMQP 1.0 client the tests run against qflowd (tests/test_amqp_rhea.py), pinned,
+# into the venv's own node directory (never the checkout); Node itself is the machine's (/usr/bin/node).
+RHEA_VERSION := 3.0.5
+RHEA := $(VENV)/node/node_modules/rhea/package.json
+$(RHEA): | $(PY)
+	npm install --prefix $(VENV)/node --no-save --no-audit --no-fund --no-package-lock rhea@$(RHEA_VERSION)
+	@grep -q '"version": "$(RHEA_VERSION)"' $(RHEA) || (echo "rhea $(RHEA_VERSION) not installed" && exit 1)
+	touch $(RHEA)
+
 install: $(RUN_STAMP)
 
 run: $(RUN_STAMP)
@@ -55,7 +64,7 @@ run: $(RUN_STAMP)
 
 # The benchmarks' smoke run first (so they never rot), then the whole suite once
 # per accounting implementation; pytest's summary is the last line.
-test: $(STAMP) | $(CHROMIUM)
+test: $(STAMP) $(RHEA) | $(CHROMIUM)
 	$(PY) bench/run.py --smoke
 	QFLOW_ACCOUNTING=native $(PY) -m pytest
 	QFLOW_ACCOUNTING=python $(PY) -m pytest -m "not native_only"
@@ -63,7 +72,7 @@ test: $(STAMP) | $(CHROMIUM)
 # Flakiness check: the suite N times, JOBS at once; lists every test that failed at least once.
 N ?= 10
 JOBS ?= 1
-test-repeat: $(STAMP) | $(CHROMIUM)
+test-repeat: $(STAMP) $(RHEA) | $(CHROMIUM)
 	$(PY) tools/test_repeat.py -n $(N) --jobs $(JOBS)
 
 # The differential and model Hypothesis tests, over and over with a fresh seed each round and FUZZ_SCALE
@@ -104,6 +113,25 @@ bench-compare: $(STAMP)
 	$(PY) -m pip install --quiet 'pika>=1.3' 'aio-pika>=9' 'amqp>=5.2'
 	@if [ -x $(ANCHORS)/build-qpidd.sh ]; then $(ANCHORS)/build-qpidd.sh $(QPID_BUILD) || echo "qpidd not built: the latency workload is skipped"; fi
 	$(PY) bench/compare --qpid-build $(QPID_BUILD) $(COMPARE_ARGS)
+
+# The Apache Qpid Interop Test (QIT 2.0) against qflowd: its python-proton and rhea shims (tools/interop.py,
+# about 3 min). QIT is built once from its snapshot in ANCHORS into QIT (its own venv with python-qpid-proton,
+# the rhea shim's node_modules: nothing of it goes into qflow's venv). Options: INTEROP_ARGS='--parts types'
+QIT_SNAPSHOT := qpid-interop-test-b8b89adf
+QIT ?= $(HOME)/.cache/qflow-anchors/$(QIT_SNAPSHOT)
+INTEROP_ARGS ?=
+$(QIT)/.built: $(ANCHORS)/$(QIT_SNAPSHOT).tar.xz
+	rm -rf $(QIT) $(QIT).tmp && mkdir -p $(QIT).tmp
+	tar xJf $< -C $(QIT).tmp && mv $(QIT).tmp/qpid-interop-test $(QIT) && rmdir $(QIT).tmp
+	$(PYTHON) -m venv $(QIT)/.venv
+	$(QIT)/.venv/bin/pip install --quiet 'python-qpid-proton==0.40.0' 'click>=8.1' 'pydantic>=2' \
+		'pydantic-settings>=2' 'rich>=13' 'pytest>=8' 'pytest-timeout>=2.2' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
+	npm install --prefix $(QIT)/shims/javascript-rhea --no-save --no-audit --no-fund --no-package-lock \
+		rhea@$(RHEA_VERSION)
+	touch $@
+
+interop: $(STAMP) $(QIT)/.built
+	$(PY) tools/interop.py --qit $(QIT) $(INTEROP_ARGS)
 
 # The durable store's engine candidates side by side, no broker (bench/store_engines.py, docs/store.md).
 # lmdb and crc32c (the extra store-bench) go into the venv for this benchmark only.

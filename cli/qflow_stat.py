@@ -80,7 +80,7 @@ def queues_view(api: Management, args: argparse.Namespace) -> str:
     return "Queues\n" + table(QUEUE_HEADERS, _sorted(QUEUE_HEADERS, rows, args))
 
 
-CONNECTION_HEADERS = ("connection", "name", "user", "connected", "session", "capacity", "incomplete", "held", "unacked",
+CONNECTION_HEADERS = ("connection", "name", "user", "protocol", "connected", "session", "capacity", "incomplete", "held", "unacked",
                       "heldBy")
 
 
@@ -112,7 +112,7 @@ def exchanges_view(api: Management, args: argparse.Namespace) -> str:
     return "Exchanges\n" + table(EXCHANGE_HEADERS, _sorted(EXCHANGE_HEADERS, rows, args))
 
 
-SUBSCRIPTION_HEADERS = ("subscr", "queue", "conn", "connName", "session", "browse", "acked", "excl", "creditMode",
+SUBSCRIPTION_HEADERS = ("subscr", "queue", "conn", "connName", "protocol", "session", "browse", "acked", "excl", "creditMode",
                         "delivered")
 
 
@@ -121,7 +121,8 @@ def subscriptions_view(api: Management, args: argparse.Namespace) -> str:
     if args.json:
         return dump(subs)
     # An unnamed session (most are) by its channel number, as -c shows it: 0 is a session too.
-    rows = [(s["subscription"], s["queue"], s["connection"], s["connectionName"], s["session"] or str(s["channel"]),
+    rows = [(s["subscription"], s["queue"], s["connection"], s["connectionName"], s["protocol"],
+             s["session"] or str(s["channel"]),
              s["browse"], s["acked"], s["exclusive"], s["creditMode"], s["delivered"]) for s in subs]
     return "Subscriptions\n" + table(SUBSCRIPTION_HEADERS, _sorted(SUBSCRIPTION_HEADERS, rows, args))
 
@@ -134,10 +135,12 @@ def connections_view(api: Management, args: argparse.Namespace) -> str:
         sessions = c["sessions"] or [None]
         for s in sessions:
             if s is None:
-                rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), "", "", "", "", "", ""))
+                rows.append((c["peer"], c["name"], c["user"], c["protocol"], duration(c["connectedSeconds"]), "", "", "",
+                             "", "", ""))
                 continue
             held_by = ", ".join(f"{h.get('queue') or h['holder']} ({duration(h['heldSeconds'])})" for h in s["heldBy"])
-            rows.append((c["peer"], c["name"], c["user"], duration(c["connectedSeconds"]), s["name"] or str(s["channel"]),
+            rows.append((c["peer"], c["name"], c["user"], c["protocol"], duration(c["connectedSeconds"]),
+                         s["name"] or str(s["channel"]),
                          s["senderCapacity"], s["incompleteCommands"], s["heldTransfers"], s["unackedDeliveries"],
                          held_by))
     return "Connections\n" + table(CONNECTION_HEADERS, _sorted(CONNECTION_HEADERS, rows, args))

@@ -185,6 +185,11 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
                    help="an AMQP 1.0 sending link's credit: the most transfers it may have incomplete or in credit "
                         "at once, refilled as they complete and withheld while flow control (or the memory alarm, "
                         f"or the store's quota) holds one of them (default {DEFAULT_CREDIT_WINDOW}, as qpidd)")
+    p.add_argument("--queue-patterns", dest="queue_patterns", action="append", default=[], metavar="PATTERN",
+                   help="an AMQP 1.0 link to an address no queue or exchange has, matching PATTERN, creates a queue "
+                        "of that name (as qpidd's option; the pattern is a topic binding key: words separated by "
+                        "dots, '*' one word, '#' any number, e.g. 'qit.#'; the user needs the ACL's create); "
+                        "repeatable")
     p.add_argument("--max-frame-size", type=int, default=DEFAULT_MAX_FRAME_SIZE,
                    help=f"largest frame accepted, bytes (default {DEFAULT_MAX_FRAME_SIZE})")
     p.add_argument("--max-connections", type=int, default=LIMITS.max_connections, metavar="N",

@@ -67,10 +67,10 @@ async def test_subscriptions_and_one_queue(daemon: Daemon) -> None:
         out = await trio.run_process([str(BIN / "qflow-stat"), "-b", b, "-u"], capture_stdout=True,
                                      capture_stderr=True)
         lines = out.stdout.decode().splitlines()
-        assert lines[1].split() == ["subscr", "queue", "conn", "connName", "session", "browse", "acked", "excl",
-                                    "creditMode", "delivered"]
+        assert lines[1].split() == ["subscr", "queue", "conn", "connName", "protocol", "session", "browse", "acked",
+                                    "excl", "creditMode", "delivered"]
         (row,) = [line.split() for line in lines[3:] if " subscribed " in line]
-        assert row[1] == "subscribed" and row[3] == "watcher" and row[4] == "watch-session"
+        assert row[1] == "subscribed" and row[3] == "watcher" and row[4] == "qflow" and row[5] == "watch-session"
         assert row[-1] == "3" and "Y" in row  # acked: explicit accept
         subs = [s for s in api(d, "/api/subscriptions") if s["queue"] == "subscribed"]
         assert len(subs) == 1 and subs[0]["delivered"] == 3 and subs[0]["acked"] is True
@@ -208,4 +208,4 @@ def test_stat_general_is_narrow_with_sizes_in_units_and_u_shows_session_0(daemon
 
     text = trio.run(subscribed).decode()
     (row,) = [line.split() for line in text.splitlines() if " on-session-0 " in line]
-    assert row[3:5] == ["zero", "0"], text  # connName, then the session: its channel, as it has no name
+    assert row[3:6] == ["zero", "qflow", "0"], text  # connName, protocol, then the session: its channel (no name)

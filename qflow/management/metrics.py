@@ -146,6 +146,8 @@ def render_metrics(broker: dict[str, Any], queues: list[dict[str, Any]],
     family("qflow_uptime_seconds", "gauge", "Seconds since the broker started.", [("", broker["uptimeSeconds"])])
     for metric, help_, key in BROKER_METRICS:
         family(metric, "gauge", help_, [("", broker["totals"][key])])
+    family("qflow_protocol_connections", "gauge", "Open protocol connections by protocol (qflow, amqp1.0).",
+           [(f'{{protocol="{_label(name)}"}}', n) for name, n in sorted(broker["totals"]["connectionsByProtocol"].items())])
     family("qflow_unroutable_messages_total", "counter", "Messages routed to no queue and discarded, "
            "broker-wide (discardsNoRoute).", [("", broker["totals"]["discardsNoRoute"])])
     for metric, type_, help_, key in RESOURCE_METRICS:

@@ -135,7 +135,8 @@ def connection_views(broker: Broker, server: Any, now: float, trio_now: float | 
     for conn in live_connections(server):
         age = max(0.0, trio_now - conn.connected_at) if trio_now is not None else 0.0
         out.append({
-            "name": conn.name, "user": conn.user, "peer": conn.peer, "connectedAt": iso(now - age),
+            "name": conn.name, "user": conn.user, "peer": conn.peer, "protocol": conn.protocol_name,
+            "connectedAt": iso(now - age),
             "connectedSeconds": round(age, 3), "outputBytes": conn.output_bytes,
             "inputBytes": conn.input_bytes, "readingPaused": conn.reading_paused,
             "sessions": [session_view(broker, s, now) for _, s in sorted(conn.sessions.items())],
@@ -155,7 +156,7 @@ def subscription_views(server: Any) -> list[dict[str, Any]]:
             for name, c in sorted(ssn.consumers.items()):
                 out.append({
                     "subscription": name, "queue": c.queue.name, "connection": conn.peer, "connectionName": conn.name,
-                    "user": conn.user,
+                    "user": conn.user, "protocol": conn.protocol_name,
                     "session": ssn.name, "channel": ssn.channel, "browse": c.acquire_mode == P.ACQUIRE_NOT_ACQUIRED,
                     "acked": c.accept_mode == P.ACCEPT_EXPLICIT, "exclusive": c.queue.exclusive,
                     "creditMode": "unlimited" if c.credit < 0 and c.byte_credit < 0 else "credit",
@@ -197,6 +198,10 @@ def broker_view(broker: Broker, server: Any, options: dict[str, Any], started_at
         "queues": len(broker.queues), "exchanges": len(broker.exchanges), "bindings": len(broker.bindings()),
         "connections": len(live_connections(server)), "sessions": len(broker.sessions),
     }
+    by_protocol = {"qflow": 0, "amqp1.0": 0}  # both always shown: a dashboard's series do not come and go
+    for conn in live_connections(server):
+        by_protocol[conn.protocol_name] = by_protocol.get(conn.protocol_name, 0) + 1
+    totals["connectionsByProtocol"] = by_protocol
     totals.update({key: sum(view[key] for view in queues) for key in _SUMMED})
     totals["flowStoppedQueues"] = sum(bool(view["flowStopped"]) for view in queues)
     totals["discardsNoRoute"] = broker.discards_no_route

@@ -11,7 +11,7 @@ silent for longer is closed with ``amqp:resource-limit-exceeded``, naming it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -38,7 +38,7 @@ class AmqpConnection:
     def __init__(self, broker: Broker, stream: trio.abc.Stream, initial: bytes, max_frame_size: int, peer: str,
                  users: Users | None = None, secret: bytes = b"", peer_identity: str | None = None, *,
                  credit_window: int = DEFAULT_CREDIT_WINDOW, idle_timeout: float = 0.0,
-                 admit: Callable[[str], str | None] | None = None) -> None:
+                 admit: Callable[[str], str | None] | None = None, queue_patterns: Sequence[str] = ()) -> None:
         self.broker = broker
         self.stream = stream
         self.initial = initial
@@ -46,7 +46,7 @@ class AmqpConnection:
         self.connected_at = trio.current_time()
         self.pump = AmqpPump(broker, peer, max_frame_size=max(512, max_frame_size), users=users, secret=secret,
                              peer_identity=peer_identity, credit_window=credit_window, idle_timeout=idle_timeout,
-                             output_limit=OUTPUT_LIMIT, wake=self.wake, admit=admit)
+                             output_limit=OUTPUT_LIMIT, wake=self.wake, admit=admit, queue_patterns=queue_patterns)
         self.idle_timeout = idle_timeout
         self._wake = trio.Event()
         self._written = trio.Event()  # set after each write: the output may have room again
@@ -62,9 +62,32 @@ class AmqpConnection:
         return self.pump.user
 
     @property
-    def sessions(self) -> dict[int, Any]:
-        """Its broker sessions, by channel: a 1.0 session's receiving links' session."""
-        return {ch: s.broker_session for ch, s in self.pump.sessions.items() if s.broker_session is not None}
+    def sessions(self) -> dict[tuple[int, int], Any]:
+        """Its broker sessions, by (channel, handle): each sending link's, and a
+        1.0 session's receiving links' (handle -1)."""
+        out: dict[tuple[int, int], Any] = {}
+        for ch, s in self.pump.sessions.items():
+            if s.broker_session is not None:
+                out[(ch, -1)] = s.broker_session
+            for handle, link in s.sending.items():
+                out[(ch, handle)] = link.session
+        return out
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of deliveries written for this connection and not yet sent."""
+        return self.pump.room.queued + self.pump.room.sending
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of unfinished multi-frame deliveries held for this connection."""
+        return self.pump.core.unfinished_input
+
+    @property
+    def reading_paused(self) -> bool:
+        """The connection's output is full: nothing more is read from it until its peer reads."""
+        room = self.pump.room
+        return room.queued + room.sending >= room.limit
 
     def wake(self) -> None:
         self._wake.set()
@@ -74,6 +97,12 @@ class AmqpConnection:
         self.pump.core.close("amqp:connection:forced", reason)
         self.pump.closed_reason = reason
         self._reader_scope.cancel()
+
+    def close_by_operator(self, reason: str) -> None:
+        """Close it at an operator's request (the management API): the client is
+        told ``reason`` with ``amqp:connection:forced``; its sessions close as on
+        any other end (deliveries awaiting an outcome go back to their queues)."""
+        self.evict(reason)
 
     async def run(self) -> None:
         """Serve the connection until it ends; its sessions are closed whatever ends it."""

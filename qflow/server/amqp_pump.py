@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
+from qflow.broker.acl import queue_request
+from qflow.broker.exchange import topic_matches
 from qflow.broker.queue import Consumer
 from qflow.protocol import CommandError, sasl
 from qflow.protocol.amqp import events as ev
@@ -59,6 +61,7 @@ from qflow.protocol.amqp.session_output import (
 )
 from qflow.protocol.amqp.transfer_runs import ROW, TransferRun
 from qflow.protocol.entries import encode_tail, seq_of
+from qflow.protocol.names import check_name, printable
 
 log = logging.getLogger("qflow.server")
 
@@ -124,13 +127,17 @@ class AmqpPump:
         the broker delivers no more to this connection.
       wake: called when there is something to send.
       admit: the per-user connection limit's check (None: no limit).
+      queue_patterns: a link to an unknown address matching one of these
+        (topic-exchange wildcards: ``*`` one word, ``#`` any number, words
+        separated by dots) creates a queue of that name, as qpidd's option.
     """
 
     def __init__(self, broker: Broker, peer: str = "", *, max_frame_size: int = 65536, users: sasl.Users | None = None,
                  secret: bytes = b"", peer_identity: str | None = None, credit_window: int = DEFAULT_CREDIT_WINDOW,
                  idle_timeout: float = 0.0, output_limit: int = 1 << 20, wake: Callable[[], None] = _nothing,
-                 admit: Callable[[str], str | None] | None = None) -> None:
+                 admit: Callable[[str], str | None] | None = None, queue_patterns: Sequence[str] = ()) -> None:
         self.broker = broker
+        self.queue_patterns = [p.split(".") for p in queue_patterns]
         self.peer = peer
         self.users = users
         self.secret = secret
@@ -188,6 +195,8 @@ class AmqpPump:
             elif kind is ev.ConnectionOpened:
                 self.name = event.container_id
                 self.opened = True
+                log.info("connection %s opened: name '%s', user '%s' (AMQP 1.0)", self.peer, printable(self.name),
+                         printable(self.user))
                 self.core.open(properties={"product": "qflowd"})
             elif kind is ev.SaslInitReceived:
                 self._sasl_init(event)
@@ -281,6 +290,7 @@ class AmqpPump:
             raise CommandError(P.NOT_IMPLEMENTED, "a link with no target address (the anonymous relay) is not "
                                                   "supported: name a queue or an exchange")
         broker = self.broker
+        self._on_demand(address)
         if address in broker.queues:
             exchange, queue = "", address
             broker.queues[address].amqp = True
@@ -309,7 +319,9 @@ class AmqpPump:
         if event.dynamic:
             address = temporary = f"{TEMPORARY_PREFIX}{uuid.uuid4()}"
             broker.declare_queue(address, exclusive=False, auto_delete=False)
-        elif not address or address not in broker.queues:
+        elif address:
+            self._on_demand(address)
+        if not address or address not in broker.queues:
             raise CommandError(P.NOT_FOUND, f"no queue named {address!r}")
         broker.authorize(self.user, "consume", "queue", {"name": address})
         ssn = session.broker_session
@@ -333,6 +345,23 @@ class AmqpPump:
             source.address = temporary
         self.core.attach(event.channel, event.handle, source=source, target=event.target,
                          snd_settle_mode=SETTLED if presettled else 0)
+
+    def _on_demand(self, address: str) -> None:
+        """An address no queue or exchange has, matching one of the queue
+        patterns, becomes a queue (as qpidd's --queue-patterns), if the
+        user may create it."""
+        broker = self.broker
+        if not self.queue_patterns or address in broker.queues or address in broker.exchanges:
+            return
+        words = address.split(".")
+        if not any(topic_matches(pattern, words) for pattern in self.queue_patterns):
+            return
+        check_name("attach", "address", address)
+        broker.authorize(self.user, "create", "queue", queue_request(address, {}, durable=False, autodelete=False,
+                                                                    exclusive=False))
+        broker.declare_queue(address)
+        log.info("connection %s (AMQP 1.0): queue '%s' created on demand (--queue-patterns)", self.peer,
+                 printable(address))
 
     def _detached(self, channel: int, handle: int) -> None:
         session = self.sessions.get(channel)

@@ -191,7 +191,8 @@ async def run(args: argparse.Namespace) -> None:
         if args.require_encryption:
             log.info("--require-encryption: plain connections on the messaging port are refused")
     server = Server(broker, args.max_frame_size, users, args.limits,
-                    amqp_credit=getattr(args, "amqp_credit_window", DEFAULT_CREDIT_WINDOW))
+                    amqp_credit=getattr(args, "amqp_credit_window", DEFAULT_CREDIT_WINDOW),
+                    queue_patterns=getattr(args, "queue_patterns", ()))
     with ExitStack() as resources:
         data_dir = None
         journal = None

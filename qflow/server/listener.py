@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import ssl
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -48,12 +49,15 @@ class Server:
     """The broker's listener and its connections."""
 
     def __init__(self, broker: Broker, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, users: Users | None = None,
-                 limits: ConnectionLimits | None = None, amqp_credit: int = DEFAULT_CREDIT_WINDOW) -> None:
+                 limits: ConnectionLimits | None = None, amqp_credit: int = DEFAULT_CREDIT_WINDOW,
+                 queue_patterns: Sequence[str] = ()) -> None:
         """``users``: clients must authenticate against them (None: authentication off);
         ``limits``: on connections (qpidd's defaults if None); ``amqp_credit``: an AMQP 1.0
-        sending link's credit window."""
+        sending link's credit window; ``queue_patterns``: an AMQP 1.0 link to an unknown
+        address matching one creates the queue (qflow.server.amqp_pump.AmqpPump)."""
         self.broker = broker
         self.amqp_credit = amqp_credit
+        self.queue_patterns = tuple(queue_patterns)
         self.max_frame_size = max_frame_size
         self.users = users
         self.secret = os.urandom(32)  # unknown users' decoy verifiers: fixed per name while the broker runs
@@ -155,7 +159,7 @@ class Server:
             identity = certificate_name(stream.getpeercert()) if isinstance(stream, trio.SSLStream) else None
             conn = AmqpConnection(self.broker, stream, initial, self.max_frame_size, peer, self.users, self.secret,
                                   identity, credit_window=self.amqp_credit, idle_timeout=self.limits.idle_timeout,
-                                  admit=admit if self.limits.per_user else None)
+                                  admit=admit if self.limits.per_user else None, queue_patterns=self.queue_patterns)
         else:
             conn = Connection(self.broker, stream, self.max_frame_size, peer, self.users, self.secret, self.announce,
                               negotiate_time=self.limits.negotiate_time, idle_timeout=self.limits.idle_timeout,

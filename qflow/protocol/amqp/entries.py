@@ -97,7 +97,8 @@ def delivered_count(entry: Entry, failures: int) -> int:
 def amqp_payload(entry: Entry, failures: int = 0) -> bytes:
     """The 1.0 message a 1.0 consumer gets for a stored entry: a 1.0
     message's own sections (its delivery-count :func:`delivered_count` when
-    that is not 0), or a qflow message mapped (:func:`.message.from_qflow`)."""
+    that is not 0), or a qflow message mapped (:func:`.message.from_qflow`,
+    with that delivery-count too)."""
     _, routing_key, properties, body = _tail(entry)
     if properties is not None and properties.get(MARK):
         if failures:
@@ -116,7 +117,9 @@ def amqp_payload(entry: Entry, failures: int = 0) -> bytes:
             except DecodeError:
                 return body
         return body
-    return from_qflow(routing_key, properties, body)
+    mapped = from_qflow(routing_key, properties, body)
+    count = delivered_count(entry, failures)
+    return with_delivery_count(mapped, count) if count else mapped
 
 
 def qflow_entry(entry: Entry) -> Entry:
