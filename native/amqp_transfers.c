@@ -1,6 +1,8 @@
 /* See amqp_transfers.h. */
 #include "amqp_transfers.h"
 
+#include <string.h>
+
 static uint32_t be32(const uint8_t *p)
 {
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
@@ -139,4 +141,180 @@ size_t qa_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_
     run->count = n;
     run->end = pos;
     return n;
+}
+
+/* The width of a value's length field (1 or 4) for the variable, compound and array format codes, the
+ * fixed width (as -1 - width) for the fixed ones, 0 for codes not taken here. */
+static int width_of(uint8_t code)
+{
+    switch (code) {
+    case 0x40: case 0x41: case 0x42: case 0x43: case 0x44: case 0x45: return -1;
+    case 0x50: case 0x51: case 0x52: case 0x53: case 0x54: case 0x55: case 0x56: return -2;
+    case 0x60: case 0x61: return -3;
+    case 0x70: case 0x71: case 0x72: case 0x73: case 0x74: return -5;
+    case 0x80: case 0x81: case 0x82: case 0x83: case 0x84: return -9;
+    case 0x94: case 0x98: return -17;
+    case 0xa0: case 0xa1: case 0xa3: case 0xc0: case 0xc1: case 0xe0: return 1;
+    case 0xb0: case 0xb1: case 0xb3: case 0xd0: case 0xd1: case 0xf0: return 4;
+    default: return 0;
+    }
+}
+
+/* Where the (not described) value at p ends, or NULL if it runs past end or its code is not taken. */
+static const uint8_t *skip_value(const uint8_t *p, const uint8_t *end)
+{
+    int w;
+    uint64_t n;
+    if (p >= end)
+        return NULL;
+    w = width_of(*p);
+    if (w == 0)
+        return NULL;
+    if (w < 0) {
+        n = (uint64_t)(-w - 1);
+        p += 1;
+    } else {
+        if ((size_t)(end - p) < 1 + (size_t)w)
+            return NULL;
+        n = w == 1 ? p[1] : be32(p + 1);
+        p += 1 + w;
+    }
+    if (n > (uint64_t)(end - p))
+        return NULL;
+    return p + n;
+}
+
+/* 1 if the header list at p (ending at end) is durable, 0 if not, -1 if not in a shape taken here. */
+static int header_durable(const uint8_t *p, const uint8_t *end)
+{
+    const uint8_t *list_end;
+    uint32_t count;
+    int durable = 0;
+    if (*p == 0x45)
+        return p + 1 == end ? 0 : -1;
+    if (*p == 0xc0) {
+        if (end - p < 3)
+            return -1;
+        list_end = p + 2 + p[1];
+        count = p[2];
+        p += 3;
+    } else if (*p == 0xd0) {
+        if (end - p < 9)
+            return -1;
+        list_end = p + 5 + be32(p + 1);
+        count = be32(p + 5);
+        p += 9;
+    } else {
+        return -1;
+    }
+    if (list_end != end || p > list_end)
+        return -1;
+    for (uint32_t i = 0; i < count; i++) {
+        if (p >= list_end)
+            return -1;
+        switch (*p) {
+        case 0x40: case 0x42: case 0x43: p += 1; break;
+        case 0x41: if (i == 0) durable = 1; p += 1; break;
+        case 0x50: case 0x52: p += 2; break;
+        case 0x56:
+            if (list_end - p < 2 || p[1] > 1)
+                return -1;
+            if (i == 0)
+                durable = p[1];
+            p += 2;
+            break;
+        case 0x70: p += 5; break;
+        default: return -1;
+        }
+    }
+    return p == list_end ? durable : -1;
+}
+
+/* 1 if the payload's sections are all taken here (durable set from its header), 0 if not. */
+static int check_sections(const uint8_t *p, const uint8_t *end, int *durable)
+{
+    const uint8_t *start = p, *value_end;
+    *durable = 0;
+    while (p < end) {
+        if (end - p < 4 || p[0] != 0x00 || p[1] != 0x53 || p[2] < 0x70 || p[2] > 0x78)
+            return 0;
+        value_end = skip_value(p + 3, end);
+        if (value_end == NULL)
+            return 0;
+        if (p[2] == 0x70 && p == start) {
+            int d = header_durable(p + 3, value_end);
+            if (d < 0)
+                return 0;
+            *durable = d;
+        }
+        p = value_end;
+    }
+    return 1;
+}
+
+static void put_be(uint8_t *p, uint64_t v, int n)
+{
+    for (int i = n - 1; i >= 0; i--) {
+        p[i] = (uint8_t)v;
+        v >>= 8;
+    }
+}
+
+void qa_store_entries(const uint8_t *blob, size_t blob_len, int64_t base, const int64_t *rows, size_t count,
+                      const uint8_t *prefix, size_t prefix_len, const uint8_t *plain, size_t plain_len,
+                      const uint8_t *durable, size_t durable_len, uint64_t first_seq, uint64_t max_bytes,
+                      uint8_t *entries, size_t cap, uint32_t *ends, uint64_t *sizes, qa_stored *out)
+{
+    size_t e = 0, i;
+    uint64_t total = 0;
+    for (i = 0; i < count; i++) {
+        const int64_t *row = rows + i * QA_ROW_WORDS;
+        int64_t start = row[3] - base, n = row[4];
+        const uint8_t *payload, *props;
+        size_t props_len, bin_head, tail;
+        uint64_t size;
+        int is_durable;
+        if (start < 0 || n < 0 || (uint64_t)start > blob_len || (uint64_t)n > blob_len - (uint64_t)start
+            || (uint64_t)n > 0xffffffffu)
+            break;
+        payload = blob + start;
+        if (!check_sections(payload, payload + n, &is_durable))
+            break;
+        props = is_durable ? durable : plain;
+        props_len = is_durable ? durable_len : plain_len;
+        bin_head = n < 0x100 ? 2 : n < 0x10000 ? 3 : 5;
+        tail = prefix_len + props_len + bin_head + (size_t)n;
+        size = (uint64_t)(tail - bin_head);  /* the message's size: msgpack's bin header left out */
+        if (size > max_bytes - total || 19 + tail > cap - e)
+            break;
+        entries[e] = 0xc2;
+        entries[e + 1] = 0xcf;
+        put_be(entries + e + 2, first_seq + i, 8);
+        entries[e + 10] = 0xcf;
+        put_be(entries + e + 11, size, 8);
+        e += 19;
+        memcpy(entries + e, prefix, prefix_len);
+        e += prefix_len;
+        memcpy(entries + e, props, props_len);
+        e += props_len;
+        if (bin_head == 2) {
+            entries[e] = 0xc4;
+            entries[e + 1] = (uint8_t)n;
+        } else if (bin_head == 3) {
+            entries[e] = 0xc5;
+            put_be(entries + e + 1, (uint64_t)n, 2);
+        } else {
+            entries[e] = 0xc6;
+            put_be(entries + e + 1, (uint64_t)n, 4);
+        }
+        e += bin_head;
+        memcpy(entries + e, payload, (size_t)n);
+        e += (size_t)n;
+        ends[i] = (uint32_t)e;
+        sizes[i] = size;
+        total += size;
+    }
+    out->count = i;
+    out->nbytes = total;
+    out->entry_bytes = e;
 }
