@@ -318,3 +318,91 @@ void qa_store_entries(const uint8_t *blob, size_t blob_len, int64_t base, const 
     out->nbytes = total;
     out->entry_bytes = e;
 }
+
+/* Where the msgpack str at p ends, or NULL. */
+static const uint8_t *skip_str(const uint8_t *p, const uint8_t *end)
+{
+    size_t n;
+    if (p >= end)
+        return NULL;
+    if (*p >= 0xa0 && *p <= 0xbf) {
+        n = *p & 0x1f;
+        p += 1;
+    } else if (*p == 0xd9 && end - p >= 2) {
+        n = p[1];
+        p += 2;
+    } else if (*p == 0xda && end - p >= 3) {
+        n = ((size_t)p[1] << 8) | p[2];
+        p += 3;
+    } else if (*p == 0xdb && end - p >= 5) {
+        n = be32(p + 1);
+        p += 5;
+    } else {
+        return NULL;
+    }
+    return n <= (size_t)(end - p) ? p + n : NULL;
+}
+
+size_t qa_write_transfers(const uint8_t *buf, size_t len, const uint8_t *plain, size_t plain_len,
+                          const uint8_t *durable, size_t durable_len, unsigned channel, uint32_t handle,
+                          uint32_t first_delivery_id, uint64_t first_tag, int settled, size_t max_frame,
+                          uint8_t *out, size_t cap, size_t *written, size_t *consumed)
+{
+    const uint8_t *p = buf, *end = buf + len;
+    size_t o = 0, i = 0;
+    for (;; i++) {
+        const uint8_t *q;
+        size_t n, frame;
+        if (end - p < 19 || p[0] != 0xc2 || p[1] != 0xcf || p[10] != 0xcf)
+            break;
+        q = skip_str(p + 19, end);
+        q = q ? skip_str(q, end) : NULL;
+        if (q == NULL)
+            break;
+        if ((size_t)(end - q) > plain_len && memcmp(q, plain, plain_len) == 0)
+            q += plain_len;
+        else if ((size_t)(end - q) > durable_len && memcmp(q, durable, durable_len) == 0)
+            q += durable_len;
+        else
+            break;
+        if (*q == 0xc4 && end - q >= 2) {
+            n = q[1];
+            q += 2;
+        } else if (*q == 0xc5 && end - q >= 3) {
+            n = ((size_t)q[1] << 8) | q[2];
+            q += 3;
+        } else if (*q == 0xc6 && end - q >= 5) {
+            n = be32(q + 1);
+            q += 5;
+        } else {
+            break;
+        }
+        if (n > (size_t)(end - q))
+            break;
+        frame = 41 + n;
+        if (frame > max_frame || frame > cap - o)
+            break;
+        put_be(out + o, frame, 4);
+        out[o + 4] = 2;
+        out[o + 5] = 0;
+        put_be(out + o + 6, channel, 2);
+        out[o + 8] = 0x00; out[o + 9] = 0x53; out[o + 10] = 0x14;
+        out[o + 11] = 0xc0; out[o + 12] = 28; out[o + 13] = 6;
+        out[o + 14] = 0x70;
+        put_be(out + o + 15, handle, 4);
+        out[o + 19] = 0x70;
+        put_be(out + o + 20, (uint32_t)(first_delivery_id + (uint32_t)i), 4);
+        out[o + 24] = 0xa0; out[o + 25] = 8;
+        put_be(out + o + 26, first_tag + i, 8);
+        out[o + 34] = 0x70;
+        put_be(out + o + 35, 0, 4);
+        out[o + 39] = settled ? 0x41 : 0x42;
+        out[o + 40] = 0x42;
+        memcpy(out + o + 41, q, n);
+        o += frame;
+        p = q + n;
+    }
+    *written = o;
+    *consumed = (size_t)(p - buf);
+    return i;
+}

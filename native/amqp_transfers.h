@@ -63,6 +63,17 @@ void qa_store_entries(const uint8_t *blob, size_t blob_len, int64_t base, const 
                       const uint8_t *durable, size_t durable_len, uint64_t first_seq, uint64_t max_bytes,
                       uint8_t *entries, size_t cap, uint32_t *ends, uint64_t *sizes, qa_stored *out);
 
+/* Transfer frames for queue entries back to back in buf (the deliveries of a 1.0 consumer): for entry
+ * i, a frame on channel/handle with delivery-id first_delivery_id + i (mod 2^32), an 8-byte tag (the
+ * big-endian first_tag + i), message-format 0, settled as given, carrying the entry's body. Only
+ * entries of 1.0 messages as stored (not redelivered, properties exactly plain or durable) are taken:
+ * it stops at the first other entry, at one whose frame would be over max_frame, or when out is
+ * full. *consumed: the bytes of buf taken; returns how many entries, their frames in out[0, *written). */
+size_t qa_write_transfers(const uint8_t *buf, size_t len, const uint8_t *plain, size_t plain_len,
+                          const uint8_t *durable, size_t durable_len, unsigned channel, uint32_t handle,
+                          uint32_t first_delivery_id, uint64_t first_tag, int settled, size_t max_frame,
+                          uint8_t *out, size_t cap, size_t *written, size_t *consumed);
+
 size_t qa_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
                          int64_t *rows, qa_run *run);
 

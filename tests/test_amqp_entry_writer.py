@@ -2,10 +2,13 @@
 (native/amqp_transfers.c ``qa_store_entries`` and its Python twin in
 qflow/protocol/amqp/entries.py): both take the same deliveries and write the
 same entries, and every entry is the one the decoder's path stores for the
-same payload (the same bytes, size and durable flag)."""
+same payload (the same bytes, size and durable flag). And the other way:
+``qa_write_transfers`` writes a consumer's transfer frames for stored
+entries exactly as ``amqp_payload`` and ``transfer_frame`` do."""
 
 from __future__ import annotations
 
+import struct
 from array import array
 
 import msgpack
@@ -14,7 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qflow.protocol.amqp.codec import DecodeError, Described, UByte, UInt, ULong, encode
-from qflow.protocol.amqp.entries import EntryWriter, store_entries_python, stored_properties
+from qflow.protocol.amqp.entries import (
+    EntryWriter,
+    amqp_payload,
+    is_amqp,
+    native_extension,
+    store_entries_python,
+    stored_forms,
+    stored_properties,
+)
+from qflow.protocol.amqp.frames import transfer_frame
 from qflow.protocol.amqp.transfer_runs import TransferRun
 from qflow.protocol.entries import encode_tail, message_size, new_entry
 
@@ -121,3 +133,39 @@ def test_usual_shapes_are_taken_with_their_durable_flag(payload, durable):
 def test_what_it_does_not_take_is_left_to_the_decoder(payload):
     for writer in (NATIVE, PYTHON):
         assert writer.store(run_of([payload]), 0, 1, PREFIX, 1, 1 << 64)[0] == []
+
+
+# -- the other way: stored entries written as transfer frames (qa_write_transfers) -------------------------------
+def write_native(batch: list[bytes], channel: int, handle: int, first_id: int, first_tag: int, settled: bool,
+                 max_frame: int) -> tuple[int, bytes]:
+    ffi, lib = native_extension()
+    blob = b"".join(batch)
+    plain, durable = stored_forms()
+    out = ffi.new("uint8_t[]", 1 << 16)
+    written, consumed = ffi.new("size_t *"), ffi.new("size_t *")
+    n = lib.qa_write_transfers(blob, len(blob), plain, len(plain), durable, len(durable), channel, handle, first_id,
+                               first_tag, settled, max_frame, out, 1 << 16, written, consumed)
+    assert consumed[0] == sum(map(len, batch[:n]))
+    return n, ffi.buffer(out, written[0])[:]
+
+
+STORED = st.one_of(
+    PAYLOADS.map(lambda p: NATIVE.store(run_of([p]), 0, 1, PREFIX, 3, 1 << 64)[0]),  # 1.0, as stored (or none)
+    st.binary(max_size=40).map(lambda b: [new_entry(4, 9, encode_tail("", "q", None, b))]),  # a qflow message
+    st.binary(max_size=40).map(lambda b: [new_entry(4, 9, encode_tail("x", "q", {"amqp1": True}, b), True)]))
+
+
+@settings(max_examples=300)
+@given(st.lists(STORED, max_size=6), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 10), st.booleans(),
+       st.sampled_from([100, 512, 1 << 20]))
+def test_native_frames_are_those_the_python_way_writes(batches, first_id, first_tag, settled, max_frame):
+    batch = [e for b in batches for e in b]
+    n, frames = write_native(batch, 1, 2, first_id, first_tag, settled, max_frame)
+    expected = 0
+    for e in batch:  # it takes the 1.0 messages as stored, not redelivered, whose frame fits
+        if e[0] != 0xC2 or not is_amqp(e) or len(amqp_payload(e)) + 41 > max_frame:
+            break
+        expected += 1
+    assert n == expected
+    assert frames == b"".join(transfer_frame(1, 2, (first_id + i) & 0xFFFFFFFF, struct.pack(">Q", first_tag + i),
+                                             settled, amqp_payload(e)) for i, e in enumerate(batch[:n]))

@@ -507,10 +507,16 @@ class AmqpPump:
                 return  # no outcome yet (received): they stay with the consumer
         ssn, broker = session.broker_session, self.broker
         queues, entries = [], []
-        for did in session.output.take(event.first, event.last):
-            qs, es = ssn.take_unacked(did, did)
+        ids = session.output.take(event.first, event.last)
+        i, n = 0, len(ids)
+        while i < n:  # by runs of consecutive ids: one take each
+            j = i
+            while j + 1 < n and ids[j + 1] == ids[j] + 1:
+                j += 1
+            qs, es = ssn.take_unacked(ids[i], ids[j])
             queues += qs
             entries += es
+            i = j + 1
         if isinstance(state, Accepted | Rejected):
             for q, e in zip(queues, entries, strict=True):
                 if q.delivery_failures:

@@ -49,6 +49,11 @@ _PACKED_DURABLE = msgpack.packb(_DURABLE_PROPERTIES)
 _HEADER_START = b"\x00\x53\x70"  # a header section, as every client encodes its descriptor
 
 
+def stored_forms() -> tuple[bytes, bytes]:
+    """The encoded properties of a stored 1.0 message: (plain, durable)."""
+    return _PACKED, _PACKED_DURABLE
+
+
 def stored_properties(payload: bytes) -> dict[str, bool]:
     """The properties map a 1.0 message is stored with: durable if its header says so.
 
@@ -250,7 +255,8 @@ def store_entries_python(blob: bytes, base: int, rows: list[int], first: int, co
     return entries, sizes, total
 
 
-def _native() -> Any:
+def native_extension() -> Any:
+    """``(ffi, lib)`` of ``qflow._amqp_native``, or None when it is not built."""
     try:
         from qflow._amqp_native import ffi, lib
     except ImportError:
@@ -258,7 +264,7 @@ def _native() -> Any:
     return ffi, lib
 
 
-_NATIVE = _native()
+_NATIVE = native_extension()
 
 
 class EntryWriter:
