@@ -12,7 +12,7 @@ MGMT_PORT ?= 8672
 # make run DATA_DIR=DIR: qflowd's --data-dir (default: ~/.qflowd), e.g. for a second broker beside the first
 DATA_DIR ?=
 
-.PHONY: run test test-repeat fuzz install lint bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
+.PHONY: run test test-repeat fuzz install lint bench bench-smoke bench-compare bench-amqp bench-store bench-spark soak console-screenshot bench-console clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,15 @@ bench-compare: $(STAMP)
 	$(PY) -m pip install --quiet 'pika>=1.3' 'aio-pika>=9' 'amqp>=5.2'
 	@if [ -x $(ANCHORS)/build-qpidd.sh ]; then $(ANCHORS)/build-qpidd.sh $(QPID_BUILD) || echo "qpidd not built: the latency workload is skipped"; fi
 	$(PY) bench/compare --qpid-build $(QPID_BUILD) $(COMPARE_ARGS)
+
+# qflowd beside qpidd over AMQP 1.0 with the same clients on both (bench/amqp_throughput.py): qpid-send/qpid-receive
+# and proton pairs, 64 B and 1 KiB, interleaved, each broker's CPU per message. qpidd and the tools are built once by
+# ../shared/anchors/build-qpidd.sh into QPID_BUILD (returns at once when built). Options: AMQP_BENCH_ARGS='--rounds 5',
+# '--tools-cap' (what qpid-send and qpid-receive do alone), '--base DIR' (another tree's qflowd beside: before/after)
+AMQP_BENCH_ARGS ?=
+bench-amqp: $(STAMP)
+	bash $(ANCHORS)/build-qpidd.sh $(QPID_BUILD)
+	$(PY) bench/amqp_throughput.py --qpid-build $(QPID_BUILD) $(AMQP_BENCH_ARGS)
 
 # The durable store's engine candidates side by side, no broker (bench/store_engines.py, docs/store.md).
 # lmdb and crc32c (the extra store-bench) go into the venv for this benchmark only.

@@ -136,10 +136,12 @@ class Broker:
 class QflowdBroker(Broker):
     name = "qflowd"
 
-    def __init__(self) -> None:
+    def __init__(self, tree: str | None = None) -> None:
         from run import start_broker
 
-        self.daemon = start_broker()
+        if tree is not None:  # another source tree's qflowd (--base), for a before/after in the same run
+            self.name = "qflowd_base"
+        self.daemon = start_broker(env={"PYTHONPATH": tree or ROOT})
         self.pid = self.daemon.proc.pid
         self.url = f"127.0.0.1:{self.daemon.port}"
 
@@ -282,6 +284,8 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=1000)
     parser.add_argument("--tools-cap", action="store_true",
                         help="also qpid-send alone and qpid-receive alone against each broker, each round")
+    parser.add_argument("--base", help="also a qflowd of this source tree (its qflow/ with the compiled "
+                        "extensions, as bench/ab_trees.py takes): before/after in the same run")
     parser.add_argument("--qpid-build", default=os.environ.get("QPID_BUILD", QPID_BUILD),
                         help="where ../shared/anchors/build-qpidd.sh built qpidd and the tools")
     args = parser.parse_args()
@@ -306,6 +310,8 @@ def main() -> None:
     brokers: list[Broker] = []
     try:
         brokers.append(QflowdBroker())
+        if args.base:
+            brokers.append(QflowdBroker(os.path.abspath(args.base)))
         if tools is not None:
             brokers.append(QpiddBroker(tools))
         runs: dict[str, list[dict]] = {}
@@ -357,12 +363,14 @@ def main() -> None:
                 out[f"broker_cpu_us_{size_name}_{b.name}" if client == "qpid" else
                     f"{key}_broker_cpu_us_{size_name}_{b.name}"] = meds[b.name][1]
             line = "  ".join(f"{name} {m[0]:>7.0f} msg/s {m[1]:>6.2f} us/msg" for name, m in meds.items())
-            if len(brokers) == 2:
-                a, b = runs[f"{client}_{size_name}_qflowd"], runs[f"{client}_{size_name}_qpidd"]
+            key = "qpid_tools" if client == "qpid" else client
+            for other in brokers[1:]:
+                a, b = runs[f"{client}_{size_name}_qflowd"], runs[f"{client}_{size_name}_{other.name}"]
                 ratio = statistics.median(x["msgs_per_s"] / y["msgs_per_s"] for x, y in zip(a, b, strict=True))
-                key = "qpid_tools" if client == "qpid" else client
-                out[f"{key}_{size_name}_qflowd_over_qpidd"] = round(ratio, 3)
-                line += f"  qflowd/qpidd {ratio:.2f}"
+                cpu = statistics.median(x["broker_cpu_us"] / y["broker_cpu_us"] for x, y in zip(a, b, strict=True))
+                out[f"{key}_{size_name}_qflowd_over_{other.name}"] = round(ratio, 3)
+                out[f"{key}_{size_name}_broker_cpu_qflowd_over_{other.name}"] = round(cpu, 3)
+                line += f"  qflowd/{other.name} {ratio:.2f} (CPU {cpu:.2f})"
             print(f"{client:>6} {size_name:>3}: {line}")
         if args.tools_cap and client == "qpid":
             for size_name in sizes:
