@@ -12,7 +12,8 @@ MGMT_PORT ?= 8672
 # make run DATA_DIR=DIR: qflowd's --data-dir (default: ~/.qflowd), e.g. for a second broker beside the first
 DATA_DIR ?=
 
-.PHONY: run test test-repeat fuzz install lint interop bench bench-smoke bench-compare bench-store bench-spark soak console-screenshot bench-console clean
+.PHONY: run test test-repeat fuzz install lint interop bench bench-smoke bench-compare bench-amqp bench-store bench-spark soak \
+	console-screenshot bench-console clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -132,6 +133,15 @@ $(QIT)/.built: $(ANCHORS)/$(QIT_SNAPSHOT).tar.xz
 
 interop: $(STAMP) $(QIT)/.built
 	$(PY) tools/interop.py --qit $(QIT) $(INTEROP_ARGS)
+
+# qflowd beside qpidd over AMQP 1.0 with the same clients on both (bench/amqp_throughput.py): qpid-send/qpid-receive
+# and proton pairs, 64 B and 1 KiB, interleaved, each broker's CPU per message. qpidd and the tools are built once by
+# ../shared/anchors/build-qpidd.sh into QPID_BUILD (returns at once when built). Options: AMQP_BENCH_ARGS='--rounds 5',
+# '--tools-cap' (what qpid-send and qpid-receive do alone), '--base DIR' (another tree's qflowd beside: before/after)
+AMQP_BENCH_ARGS ?=
+bench-amqp: $(STAMP)
+	bash $(ANCHORS)/build-qpidd.sh $(QPID_BUILD)
+	$(PY) bench/amqp_throughput.py --qpid-build $(QPID_BUILD) $(AMQP_BENCH_ARGS)
 
 # The durable store's engine candidates side by side, no broker (bench/store_engines.py, docs/store.md).
 # lmdb and crc32c (the extra store-bench) go into the venv for this benchmark only.

@@ -23,6 +23,22 @@ typedef struct qa_run {
     int64_t message_format;
 } qa_run;
 
+typedef struct qa_stored {
+    size_t count;
+    uint64_t nbytes;
+    size_t entry_bytes;
+} qa_stored;
+
+void qa_store_entries(const uint8_t *blob, size_t blob_len, int64_t base, const int64_t *rows, size_t count,
+                      const uint8_t *prefix, size_t prefix_len, const uint8_t *plain, size_t plain_len,
+                      const uint8_t *durable, size_t durable_len, uint64_t first_seq, uint64_t max_bytes,
+                      uint8_t *entries, size_t cap, uint32_t *ends, uint64_t *sizes, qa_stored *out);
+
+size_t qa_write_transfers(const uint8_t *buf, size_t len, const uint8_t *plain, size_t plain_len,
+                          const uint8_t *durable, size_t durable_len, unsigned channel, uint32_t handle,
+                          uint32_t first_delivery_id, uint64_t first_tag, int settled, size_t max_frame,
+                          uint8_t *out, size_t cap, size_t *written, size_t *consumed);
+
 size_t qa_scan_transfers(const uint8_t *buf, size_t len, size_t pos, size_t max_frame, size_t max_count,
                          int64_t *rows, qa_run *run);
 """

@@ -55,6 +55,8 @@ void qf_store_transfers(const uint8_t *buf, size_t len, size_t pos, const qf_run
 void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, const qf_run *run, size_t count, int64_t session,
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops);
+void qf_transfer1_ops(const uint64_t *sizes, size_t count, int64_t session, int64_t first_command, int64_t queue,
+                      int64_t *ops);
 int64_t qf_scan_entries(const uint8_t *buf, size_t len, size_t count, int64_t *offsets);
 int64_t qf_entries_size(const uint8_t *buf, size_t len);
 """

@@ -322,6 +322,19 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, const qf_run *run
     }
 }
 
+void qf_transfer1_ops(const uint64_t *sizes, size_t count, int64_t session, int64_t first_command, int64_t queue,
+                      int64_t *ops)
+{
+    for (size_t i = 0; i < count; i++) {
+        ops[0] = QF_OP_TRANSFER1;
+        ops[1] = session;
+        ops[2] = first_command + (int64_t)i;
+        ops[3] = queue;
+        ops[4] = (int64_t)sizes[i];
+        ops += QF_OP_WORDS;
+    }
+}
+
 /* The end of the stored entry at p (see qf_scan_entries), setting its body's
  * length and its size (the head's, checked), or NULL when it is malformed or
  * runs past end. */

@@ -86,6 +86,11 @@ void qf_fanout_ops(const uint8_t *buf, size_t len, size_t pos, const qf_run *run
                    int64_t first_command, const int64_t *queues, size_t nq, const int64_t *holders, size_t nh,
                    int64_t *ops);
 
+/* The ops of count transfers to one queue whose entries were made elsewhere (an AMQP 1.0 run,
+ * qflow/protocol/amqp/entries.py): OP_TRANSFER1 (session, first_command + i, queue, sizes[i]) each. */
+void qf_transfer1_ops(const uint64_t *sizes, size_t count, int64_t session, int64_t first_command, int64_t queue,
+                      int64_t *ops);
+
 /* The other way: a message.deliver-run frame (docs/protocol.md) carries
  * ``count`` queue entries back to back, each the 19-byte head above, then
  * exchange and routing key (str), properties (nil or a map) and the body

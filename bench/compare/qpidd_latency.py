@@ -40,11 +40,12 @@ def qpid_tools(build: str) -> dict[str, str] | None:
 
 
 class QpiddSide:
-    """A private qpidd on 127.0.0.1: no data directory, no authentication, its log in a temporary file."""
+    """A private qpidd on 127.0.0.1: no data directory, no authentication, its log in a temporary file;
+    ``extra``: more of qpidd's options."""
 
     name = "qpidd"
 
-    def __init__(self, tools: dict[str, str], log) -> None:
+    def __init__(self, tools: dict[str, str], log, extra: list[str] | tuple[str, ...] = ()) -> None:
         import tempfile
 
         self.tools = tools
@@ -53,7 +54,7 @@ class QpiddSide:
         self.proc = subprocess.Popen(
             [tools["qpidd"], "--load-module", tools["amqp"], "--no-module-dir", "--auth", "no", "--no-data-dir",
              "--interface", "127.0.0.1", "--port", str(self.port), "--log-enable", "warning+",
-             "--log-to-stderr", "no", "--log-to-file", self.logfile.name],
+             "--log-to-stderr", "no", "--log-to-file", self.logfile.name, *extra],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.pid = self.proc.pid
         deadline = time.monotonic() + 20

@@ -416,6 +416,43 @@ class Broker:
         self.oplog.add_run(ops, seq, n)
         return consumed
 
+    def store_run(self, ssn: BrokerSession, queue: str, count: int,
+                  make: Callable[[int, int, int], tuple[list[Entry], Any, int]]) -> int:
+        """Enqueue a run of up to ``count`` transfers of ``ssn`` to ``queue``
+        (by the default exchange), numbered from its next command id, whose
+        entries another protocol writes: ``make(first_seq, count, max_bytes)``
+        returns (entries, their sizes as native uint64s, their total size) for
+        as many as it can. Returns how many were taken; 0 when the queue cannot
+        take a run now (unknown, a ring, outside holders, full, no C scanner):
+        then :meth:`transfer` takes each, and reports any error."""
+        q = self.queues.get(queue)
+        runs = self.runs
+        if q is None or q.special or runs is None or len(q.route) != 1:
+            return 0
+        max_bytes = 1 << 64
+        if q.max_count:
+            count = min(count, q.max_count - q.count)
+        if q.max_size:
+            max_bytes = q.max_size - q.nbytes
+        if count <= 0 or max_bytes < 0:
+            return 0
+        seq = q.next_seq
+        entries, sizes, nbytes = make(seq, count, max_bytes)
+        n = len(entries)
+        if not n:
+            return 0
+        if ssn.last_queues is not q.route:
+            self._note_writer(ssn, q.route)
+        commands = ssn.commands
+        cid = commands.next_id
+        commands.next_id = cid + n
+        ex = self._default_exchange
+        ex.msg_in += n
+        ex.byte_in += nbytes
+        q.enqueue_run(entries, nbytes)
+        self.oplog.add_run(runs.transfer1_ops(sizes, ssn.slot, cid, q.slot), seq, n)
+        return n
+
     def _fanout_run(self, ssn: BrokerSession, queues: list[Queue], ex: Exchange, buf: bytes, pos: int,
                     count: int, max_bytes: int) -> int:
         """:meth:`transfer_run` for a run routed to several queues, or to queues

@@ -28,6 +28,7 @@ U64_MAX = (1 << 64) - 1
 _scan = lib.qf_scan_transfers
 _store = lib.qf_store_transfers
 _fanout = lib.qf_fanout_ops
+_transfer1_ops = lib.qf_transfer1_ops
 _from_buffer = ffi.from_buffer
 _buffer = ffi.buffer
 _unpack = ffi.unpack
@@ -72,6 +73,14 @@ class TransferRuns:
         starts.pop()
         return n, out.consumed, out.nbytes, [blob[a:b] for a, b in zip(starts, ends, strict=True)], \
             _buffer(self._ops, n * 8 * lib.QF_OP_WORDS)
+
+    def transfer1_ops(self, sizes: Any, session: int, first_command: int, queue: int) -> Any:
+        """The ops' bytes of transfers to one queue whose entries were made elsewhere: one
+        OP_TRANSFER1 each, ``sizes`` their sizes (a buffer of native uint64s)."""
+        n = memoryview(sizes).nbytes // 8
+        ops = ffi.new("int64_t[]", n * lib.QF_OP_WORDS)
+        _transfer1_ops(ffi.from_buffer("uint64_t[]", sizes), n, session, first_command, queue, ops)
+        return _buffer(ops, n * 8 * lib.QF_OP_WORDS)
 
     def fanout_ops(self, buf: bytes, pos: int, count: int, session: int, first_command: int,
                    queues: list[int], holders: list[int]) -> Any:

@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import msgpack
+
 from qflow import protocol as P
 from qflow.broker import Broker, BrokerSession
 from qflow.broker.acl import queue_request
@@ -39,7 +41,7 @@ from qflow.protocol import CommandError, sasl
 from qflow.protocol.amqp import events as ev
 from qflow.protocol.amqp.codec import DecodeError
 from qflow.protocol.amqp.connection import Connection
-from qflow.protocol.amqp.entries import delivered_count, stored_properties, subject
+from qflow.protocol.amqp.entries import EntryWriter, delivered_count, stored_properties, subject
 from qflow.protocol.amqp.frames import ACCEPTED_STATE, RELEASED_STATE
 from qflow.protocol.amqp.performatives import (
     RECEIVER,
@@ -77,13 +79,14 @@ def _nothing(*args: Any) -> None:
 class SendingLink:
     """A link a peer sends on: its target, and the broker session of its transfers."""
 
-    __slots__ = ("session", "output", "exchange", "queue")
+    __slots__ = ("session", "output", "exchange", "queue", "prefix")
 
     def __init__(self, session: BrokerSession, output: SendingLinkOutput, exchange: str, queue: str) -> None:
         self.session = session
         self.output = output
         self.exchange = exchange  # "" when the target is a queue
         self.queue = queue  # the routing key when the target is a queue
+        self.prefix = msgpack.packb(exchange) + msgpack.packb(queue)  # what every entry of a queue's run starts with
 
 
 class ReceivingLink:
@@ -159,6 +162,8 @@ class AmqpPump:
         self.closed_reason: str | None = None
         self.sessions: dict[int, AmqpSession] = {}
         self._scram: sasl.ScramServer | None = None
+        self._writer = EntryWriter()
+        self._refused_runs = False  # the last store_run was refused by the broker, not cut short by the writer
 
     # -- input ------------------------------------------------------------------------------------------------
     def receive(self, data: bytes) -> None:
@@ -422,13 +427,57 @@ class AmqpPump:
         link = session.sending.get(run.handle) if session is not None else None
         if link is None:
             return
+        total = len(run.rows) // ROW
+        if link.exchange:
+            self._transfer_each(link, run, 0, total)
+            return
+        i = 0
+        while i < total:
+            n = self._store_run(link, run, i, total - i)
+            if n:
+                i += n
+            elif self._refused_runs:  # the queue takes no run now: each of the rest the usual way
+                self._transfer_each(link, run, i, total)
+                return
+            else:  # one the entry writer does not take: the decoder does
+                self._transfer_each(link, run, i, i + 1)
+                i += 1
+
+    def _store_run(self, link: SendingLink, run: TransferRun, first: int, count: int) -> int:
+        """Deliveries ``first``... of ``run`` stored in one go by the entry writer
+        (the usual case: plain transfers to a queue); returns how many (0: none)."""
+        writer, prefix = self._writer, link.prefix
+        self._refused_runs = True
+
+        def make(first_seq: int, n: int, max_bytes: int) -> tuple[list, Any, int]:
+            self._refused_runs = False
+            return writer.store(run, first, n, prefix, first_seq, max_bytes)
+
+        ssn = link.session
+        n = self.broker.store_run(ssn, link.queue, count, make)
+        if not n:
+            return 0
+        rows = run.rows
+        cid = ssn.commands.next_id - n
+        settled = rows[ROW * first + 5:ROW * (first + n):ROW]
+        if 1 not in settled:  # all unsettled: each waits for its transfer's completion
+            link.output.unsettled.update(zip(range(cid, cid + n), rows[ROW * first:ROW * (first + n):ROW], strict=True))
+        elif 0 in settled:
+            received = link.output.received
+            for j, s in enumerate(settled):
+                if s != 1:
+                    received(cid + j, rows[ROW * (first + j)])
+        return n
+
+    def _transfer_each(self, link: SendingLink, run: TransferRun, first: int, end: int) -> None:
+        """Deliveries ``first`` to ``end`` - 1 of ``run``, one by one through :meth:`Broker.transfer`."""
         broker = self.broker
         ssn = link.session
         commands = ssn.commands
         output = link.output
         exchange, queue = link.exchange, link.queue
         blob, base, rows = run.blob, run.base, run.rows
-        for i in range(0, len(rows), ROW):
+        for i in range(ROW * first, ROW * end, ROW):
             start = rows[i + 3] - base
             payload = bytes(blob[start:start + rows[i + 4]])
             cid = commands.receive()
@@ -487,10 +536,16 @@ class AmqpPump:
                 return  # no outcome yet (received): they stay with the consumer
         ssn, broker = session.broker_session, self.broker
         queues, entries = [], []
-        for did in session.output.take(event.first, event.last):
-            qs, es = ssn.take_unacked(did, did)
+        ids = session.output.take(event.first, event.last)
+        i, n = 0, len(ids)
+        while i < n:  # by runs of consecutive ids: one take each
+            j = i
+            while j + 1 < n and ids[j + 1] == ids[j] + 1:
+                j += 1
+            qs, es = ssn.take_unacked(ids[i], ids[j])
             queues += qs
             entries += es
+            i = j + 1
         if isinstance(state, Accepted | Rejected):
             for q, e in zip(queues, entries, strict=True):
                 if q.delivery_failures:

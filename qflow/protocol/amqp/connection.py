@@ -840,6 +840,22 @@ class Connection:
         link.delivery_count = (link.delivery_count + n) & _MASK
         return first
 
+    def next_delivery_id(self, channel: int) -> int:
+        """The delivery-id the next transfer on session ``channel`` gets."""
+        return self._sessions[channel].next_outgoing_id
+
+    def transfers_written(self, channel: int, handle: int, count: int, frames: bytes) -> None:
+        """Queue ``frames``: ``count`` single-frame transfers to a receiving
+        peer, written elsewhere with the delivery-ids from
+        :meth:`next_delivery_id` on (as :meth:`transfer_many` writes them)."""
+        session = self._sessions[channel]
+        link = session.links[handle]
+        self._out.append(frames)
+        session.next_outgoing_id = (session.next_outgoing_id + count) & _MASK
+        session.peer_incoming_window -= count
+        link.credit -= count
+        link.delivery_count = (link.delivery_count + count) & _MASK
+
     def session_window(self, channel: int) -> int:
         """How many more transfer frames the peer's session window takes now."""
         return self._sessions[channel].peer_incoming_window
