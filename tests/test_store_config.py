@@ -357,8 +357,8 @@ def test_a_torn_last_record_is_dropped_and_everything_before_it_kept(data_dir: P
     finally:
         d.kill()
     log = d.log()
-    assert f"{log_path}: the record at offset {good} is bad (a {len(torn) - 8 + 3}-byte record runs past the " \
-           "end of the file (a torn write))" in log
+    assert f"{log_path}: the record at offset {good} is bad (record of {len(torn) - 8 + 3} bytes, only " \
+           f"{len(torn) - 8} left (torn write))" in log
     assert f"kept the 3 records before it, dropped the {len(torn)} bytes" in log  # the header, a and b
     damaged = list(data_dir.glob(CONFIG_NAME + ".damaged-*"))
     assert len(damaged) == 1 and damaged[0].read_bytes().endswith(torn)
@@ -386,8 +386,9 @@ def test_a_corrupt_record_in_the_middle_ends_recovery_there(data_dir: Path) -> N
         assert queue_names(d) == {"a"}  # "c" was written after the bad record: dropped with it
     finally:
         d.stop()
-    assert f"the record at offset {offset} is bad (crc mismatch): kept the 2 records before it, dropped the " \
-           f"{len(data) - offset} bytes" in d.log()
+    length = int.from_bytes(data[offset:offset + 4], "little")
+    assert f"the record at offset {offset} is bad (crc32 mismatch over {length} bytes): kept the 2 records before " \
+           f"it, dropped the {len(data) - offset} bytes" in d.log()
 
 
 def test_a_file_that_is_not_a_configuration_log_is_refused(data_dir: Path) -> None:

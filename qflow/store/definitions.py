@@ -24,7 +24,7 @@ fsync of the directory only at start-up, when it holds more records than live
 objects, and at run time once dead records dominate; a crash at any point
 leaves either the old log or the new one.
 
-The framing is the journal's (docs/store.md)::
+The framing is every store file's (qflow.store.records; docs/store.md)::
 
     record  = u32 length | u32 crc32(payload) | payload        little-endian
     payload = msgpack [kind, fields...]
@@ -51,14 +51,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 import time
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+import qflow.store.records as records
 from qflow import protocol as P
 from qflow.broker.arguments import unsupported
 from qflow.broker.config_hooks import ConfigHooks
@@ -75,7 +74,6 @@ log = logging.getLogger("qflow.store")
 CONFIG_NAME = "config.log"
 MAGIC = "qflow-config"
 VERSION = 1
-_HEAD = struct.Struct("<II")
 MAX_RECORD = 64 << 20  # far above any real declaration: a larger length is damage, not data
 # Rewrite at run time once the log holds this many more records than live objects.
 COMPACT_SLACK = 1024
@@ -86,8 +84,8 @@ class DefinitionError(StoreError):
 
 
 def frame(record: list[Any]) -> bytes:
-    payload = msgpack.packb(record)
-    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+    """One definition record, framed as every store file's records are (qflow.store.records)."""
+    return records.frame(msgpack.packb(record))
 
 
 class DurableConfig:
@@ -143,26 +141,20 @@ def read_log(data: bytes, path: Path) -> tuple[DurableConfig, int, int, str | No
     pos = count = 0
     while pos < len(data):
         why = None
-        if len(data) - pos < _HEAD.size:
-            why = f"{len(data) - pos} bytes, too short for a record (a torn write)"
+        try:
+            payload = records.read_record(data, pos, MAX_RECORD)
+        except records.BadRecord as exc:
+            why = str(exc)
         else:
-            length, crc = _HEAD.unpack_from(data, pos)
-            end = pos + _HEAD.size + length
-            if length == 0 or length > MAX_RECORD:
-                why = f"impossible record length {length}"
-            elif end > len(data):
-                why = f"a {length}-byte record runs past the end of the file (a torn write)"
-            elif zlib.crc32(data[pos + _HEAD.size:end]) != crc:
-                why = "crc mismatch"
-            else:
-                try:
-                    record = msgpack.unpackb(data[pos + _HEAD.size:end], raw=False, strict_map_key=False)
-                    if count == 0:
-                        _check_header(record, path)
-                    else:
-                        config.apply(record)
-                except ValueError as exc:  # msgpack's errors are ValueErrors too
-                    why = f"undecodable record ({exc})"
+            end = pos + records.HEAD_SIZE + len(payload)
+            try:
+                record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+                if count == 0:
+                    _check_header(record, path)
+                else:
+                    config.apply(record)
+            except ValueError as exc:  # msgpack's errors are ValueErrors too
+                why = f"undecodable record ({exc})"
         if why is not None:
             if count == 0:
                 raise DefinitionError(f"{path} is not a qflow configuration log (its first record: {why}); "

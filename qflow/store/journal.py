@@ -83,6 +83,7 @@ from qflow._journal_native import ffi as _ffi
 from qflow._journal_native import lib as _lib
 from qflow.protocol.entries import ENTRY_HEAD_SIZE, Entry, new_entry, seq_and_size
 from qflow.store.datadir import fsync_dir
+from qflow.store.records import RECORD, BadRecord, read_record
 
 log = logging.getLogger("qflow.store")
 
@@ -100,7 +101,7 @@ DEFAULT_SEGMENT_SIZE = 32 << 20  # the quota's step (qflowd --store-segment-size
 RESERVE_NAME = "reserve"
 RESERVE_SIZE = 256 * 1024
 
-_RECORD = struct.Struct("<II")  # length, crc32
+_RECORD = RECORD  # length, crc32: every store file's framing (qflow.store.records)
 _HEADER = struct.Struct("<B4sHQB")
 _U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
 _SECTION = struct.Struct("<BI")
@@ -881,15 +882,11 @@ def _read_segment(data: bytes, number: int, state: dict[str, dict[int, tuple[int
     view = memoryview(data)
     while pos < end:
         try:
-            if end - pos < _RECORD.size:
-                raise _BadRecord(f"{end - pos} bytes, too short for a record head")
-            length, crc = _RECORD.unpack_from(data, pos)
-            start = pos + _RECORD.size
-            if length > end - start:
-                raise _BadRecord(f"record of {length} bytes, only {end - start} left (torn write)")
-            payload = view[start:start + length]
-            if zlib.crc32(payload) != crc:
-                raise _BadRecord(f"crc32 mismatch over {length} bytes")
+            try:
+                payload = read_record(view, pos)
+            except BadRecord as exc:
+                raise _BadRecord(str(exc)) from None
+            start, length = pos + _RECORD.size, len(payload)
             kind = payload[0] if length else 0
             if first and kind == KIND_HEADER:
                 if length != _HEADER.size:
@@ -938,10 +935,9 @@ def _next_record(data: bytes, pos: int) -> int | None:
     nxt = pos + _RECORD.size + length
     if nxt == end:
         return nxt
-    if nxt + _RECORD.size > end:
-        return None
-    length, crc = _RECORD.unpack_from(data, nxt)
-    if length > end - nxt - _RECORD.size or zlib.crc32(memoryview(data)[nxt + _RECORD.size:nxt + _RECORD.size + length]) != crc:
+    try:
+        read_record(data, nxt)
+    except BadRecord:
         return None
     return nxt
 
