@@ -18,6 +18,7 @@ noted in ``stalled``, to be dispatched again once output drains
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from itertools import accumulate, islice, repeat, starmap
 
 from qflow.broker.queue import Consumer, Queue
@@ -29,12 +30,18 @@ from qflow.protocol.entries import Entry, seq_and_size, seq_of
 class Delivery:
     """Delivers for every queue; ``dirty`` collects the sessions given deliveries."""
 
-    def __init__(self, dirty: dict[BrokerSession, None], stalled: dict[Queue, None]) -> None:
+    def __init__(self, dirty: dict[BrokerSession, None], stalled: dict[Queue, None],
+                 expire: Callable[[Queue], None]) -> None:
         self.dirty = dirty
         self.stalled = stalled  # queues left undelivered for want of output room
+        self.expire = expire  # drops a queue's expired messages (Broker._expire_for_delivery)
 
     def dispatch(self, q: Queue) -> None:
-        """Deliver what ``q`` has to its browsers and consumers, as their credit allows."""
+        """Deliver what ``q`` has to its browsers and consumers, as their credit
+        allows. A queue with messages that expire drops the expired ones first:
+        no consumer nor browser is given one."""
+        if q.expiries:
+            self.expire(q)
         for c in q.browsers:
             self._browse(c, q)
         entries = q.entries
