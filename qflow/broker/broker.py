@@ -239,7 +239,14 @@ class Broker:
         it arrived (exchange, routing key, properties, body), if the connection
         had it at hand; otherwise it is encoded here. The message's size is
         counted from ``tail``, as a run's is from the same bytes in C."""
-        acts = properties is not None and P.check_properties(properties)
+        if properties is not None and P.check_properties(properties):
+            # A ttl, an expiration or a priority: stamped on arrival (a message without costs nothing more).
+            queues = self.route(exchange, routing_key, properties)
+            ex = self.exchanges[exchange]
+            if not queues and ex.alternate is not None:
+                queues = self._alternate_route(ex, routing_key, properties)
+            self._transfer_stamped(ssn, command_id, ex, queues, routing_key, properties, body)
+            return
         if exchange == "":  # the default exchange, inline: this is the per-message path
             ex = self._default_exchange
             q = self.queues.get(routing_key)
@@ -249,9 +256,6 @@ class Broker:
             ex = self.exchanges[exchange]
             if not queues and ex.alternate is not None:
                 queues = self._alternate_route(ex, routing_key, properties)
-        if acts:
-            self._transfer_stamped(ssn, command_id, ex, queues, routing_key, properties, body)
-            return
         if tail is None:
             tail = encode_tail(exchange, routing_key, properties, body)
         # The message's size (qflow.protocol.entries.message_size), inline: a call per
