@@ -69,7 +69,7 @@ def test_implemented_free_form_and_harmless_arguments_pass() -> None:
     assert unsupported("queue", {"x-queue-type": "classic", "qpid.priorities": 0,
                                  "x-single-active-consumer": False}) == []
     # Only the harmless value itself: a True is not taken for 1 nor a 0 for False.
-    assert len(unsupported("queue", {"x-queue-type": "quorum", "qpid.priorities": False,
+    assert len(unsupported("queue", {"x-queue-type": "quorum", "qpid.fairshare": False,
                                      "x-single-active-consumer": 0})) == 3
 
 
@@ -81,11 +81,10 @@ def test_qpidd_fairshare_keys_are_refused_by_prefix() -> None:
 def test_the_refusal_says_what_qflow_offers_instead() -> None:
     [reason] = unsupported("queue", {"x-max-length": 10})
     assert "RabbitMQ" in reason and "qpid.max_count" in reason
-    [reason] = unsupported("queue", {"qpid.priorities": 10})
-    assert "planned, not yet implemented" in reason
-    # Implemented now: the queue's default ttl, dead-lettering, an exchange's alternate.
+    # Implemented now: the queue's default ttl, dead-lettering, priorities, an exchange's alternate.
     assert unsupported("queue", {"x-message-ttl": 500, "x-dead-letter-exchange": "dlx",
-                                 "x-dead-letter-routing-key": "dead", "alternate-exchange": "dlx"}) == []
+                                 "x-dead-letter-routing-key": "dead", "alternate-exchange": "dlx",
+                                 "qpid.priorities": 10, "x-qpid-priorities": 10, "x-max-priority": 10}) == []
     assert unsupported("exchange", {"alternate-exchange": "dlx"}) == []
 
 
@@ -98,8 +97,8 @@ async def test_declare_and_modify_refuse_them_and_the_session_carries_on(running
         assert "ttl" not in running.broker.queues
         ssn = await conn.session()
         await ssn.declare_queue("q", arguments={"x-team": "billing"})
-        with pytest.raises(qflow.InvalidArgument, match="'qpid.priorities'"):
-            await ssn.modify_queue("q", {"qpid.priorities": 10})
+        with pytest.raises(qflow.InvalidArgument, match="'qpid.last_value_queue_key'"):
+            await ssn.modify_queue("q", {"qpid.last_value_queue_key": "sym"})
         assert running.broker.queues["q"].arguments == {"x-team": "billing"}
         ssn = await conn.session()
         # Redeclaring an existing queue with one is refused too: nothing is accepted that is ignored.

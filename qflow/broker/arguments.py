@@ -60,7 +60,8 @@ def _u(broker: str, meaning: str, instead: str = "", harmless: tuple[Any, ...] =
 # The queue arguments qflow implements (qflow.broker.settings).
 QUEUE_IMPLEMENTED = ("qpid.max_count", "qpid.max_size", "qpid.policy_type", "qpid.flow_stop_count",
                      "qpid.flow_resume_count", "qpid.flow_stop_size", "qpid.flow_resume_size",
-                     "x-message-ttl", "alternate-exchange", "x-dead-letter-exchange", "x-dead-letter-routing-key")
+                     "x-message-ttl", "alternate-exchange", "x-dead-letter-exchange", "x-dead-letter-routing-key",
+                     "qpid.priorities", "x-qpid-priorities", "x-max-priority")
 # The exchange arguments qflow implements (qflow.broker.exchange).
 EXCHANGE_IMPLEMENTED = ("alternate-exchange",)
 
@@ -72,8 +73,6 @@ _FLAGS = "the declare's own flag"
 
 QUEUE_ARGUMENTS: Mapping[str, Unsupported] = {
     # Qpid C++ broker (qpidd): QueueSettings and its aliases.
-    "qpid.priorities": _u(QPID, "priority levels", _LATER, (0,)),
-    "x-qpid-priorities": _u(QPID, "priority levels", _LATER, (0,)),
     "qpid.fairshare": _u(QPID, "fair-share delivery across priority levels", "", (0,)),
     "qpid.last_value_queue_key": _u(QPID, "a last-value queue"),
     "qpid.last_value_queue": _u(QPID, "a last-value queue"),
@@ -113,7 +112,6 @@ QUEUE_ARGUMENTS: Mapping[str, Unsupported] = {
     "x-max-length-bytes": _u(RABBITMQ, "a limit by bytes", _MAX_SIZE),
     "x-overflow": _u(RABBITMQ, "what a full queue does", _POLICY),
     "x-dead-letter-strategy": _u(RABBITMQ, "at-least-once dead-lettering", "", ("at-most-once",)),
-    "x-max-priority": _u(RABBITMQ, "priority levels", _LATER, (0,)),
     "x-queue-type": _u(RABBITMQ, "a quorum or stream queue", "", ("classic",)),
     "x-queue-mode": _u(RABBITMQ, "a lazy queue", "", ("default",)),
     "x-queue-version": _u(RABBITMQ, "the classic queue's storage format"),

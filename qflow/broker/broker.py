@@ -371,8 +371,13 @@ class Broker:
         oplog = self.oplog
         oplog.open_transfer(ssn.slot, command_id)
         held = False
+        priority = properties.get("priority") if properties else None
         for q, (tail, size, expiration) in zip(queues, stamped, strict=True):
-            seq = q.enqueue(tail, size)
+            if q.settings.levels:
+                s = q.settings
+                seq = q.enqueue_at(s.default_level if priority is None else s.levels[priority], tail, size)
+            else:
+                seq = q.enqueue(tail, size)
             if expiration:
                 q.note_expiry(seq, expiration)
             if q.holders:
@@ -468,7 +473,12 @@ class Broker:
                                     or (dq.max_size and dq.nbytes + size > dq.max_size)):
                     dq.discards_overflow += 1
                     continue
-                seq = dq.enqueue(tail, size)  # outside any transfer: it holds no producer
+                if dq.settings.levels:  # outside any transfer: it holds no producer
+                    s = dq.settings
+                    priority = properties.get("priority") if properties else None
+                    seq = dq.enqueue_at(s.default_level if priority is None else s.levels[priority], tail, size)
+                else:
+                    seq = dq.enqueue(tail, size)
                 if expiration:
                     dq.note_expiry(seq, expiration)
                 if dq.ring:
@@ -636,7 +646,7 @@ class Broker:
                     break  # a session's deliveries from one queue come in queue order
         if oldest is None:
             return False
-        return not q.entries or oldest < seq_of(q.entries[0])
+        return not q.entries or oldest < q.first_sequence()
 
     # -- outside holders ----------------------------------------------------------
     def add_holder(self, name: str, wake: Callable[[], None] | None = None, dequeued: Dequeued | None = None,
@@ -997,6 +1007,8 @@ class Broker:
         while not q.deleted:
             self._apply()
             batch = []
+            if q.settings.levels:
+                batch = entries.take(lambda seq: seq <= sequence, SLICE)[0]
             while entries and len(batch) < SLICE and seq_of(entries[0]) <= sequence:
                 batch.append(entries.popleft())
             if batch:
@@ -1043,7 +1055,7 @@ class Broker:
                 break
             yield
         return {"incarnation": q.incarnation, "sequences": out.to_wire(),
-                "firstSequence": seq_of(q.entries[0]) if q.entries else q.next_seq,
+                "firstSequence": q.first_sequence(),
                 "lastSequence": q.next_seq - 1}
 
     def remove_sequences(self, name: str, incarnation: str, sequences: RangeSet,
@@ -1102,8 +1114,12 @@ class Broker:
         n = 0
         while True:
             self._apply()  # dequeue_many reads which transfers the queue holds
-            k = min(SLICE, len(entries))
-            batch = [entries.popleft() for _ in range(k)]
+            if q.settings.levels:  # by level: those numbered up to newest, wherever they are
+                batch, _, more = entries.take(lambda seq: seq <= newest, SLICE)
+                k = SLICE if more else 0
+            else:
+                k = min(SLICE, len(entries))
+                batch = [entries.popleft() for _ in range(k)]
             if batch and seq_of(batch[-1]) > newest:  # the last slice: newer messages stay
                 newer = [e for e in batch if seq_of(e) > newest]
                 del batch[len(batch) - len(newer):]

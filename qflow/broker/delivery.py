@@ -20,6 +20,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from itertools import accumulate, islice, repeat, starmap
+from typing import Any
 
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -68,7 +69,11 @@ class Delivery:
         entries = q.entries
         if not entries or seq_of(entries[-1]) < c.cursor or c.credit == 0:
             return
-        i = bisect_left(entries, c.cursor, key=seq_of)
+        cursor = c.cursor
+        if q.settings.levels:  # a priority queue is browsed in sequence order too
+            following: Any = (e for e in entries.in_sequence() if seq_of(e) >= cursor)
+        else:
+            following = islice(entries, bisect_left(entries, cursor, key=seq_of), None)
         ssn = c.session
         room = ssn.out.room()
         if room <= 0:
@@ -79,7 +84,7 @@ class Delivery:
         # Iterate, never index: indexing a deque far from its ends walks its
         # blocks, which made a browser deep in a long queue cost O(depth) per message.
         nbytes = 0
-        for e in islice(entries, i, None):
+        for e in following:
             if c.credit == 0:
                 break
             if nbytes >= room:

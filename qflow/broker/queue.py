@@ -21,8 +21,17 @@ from itertools import islice
 from typing import Any, Protocol
 
 from qflow.broker.oplog import OpLog
+from qflow.broker.priority import PriorityEntries
 from qflow.broker.settings import QueueSettings
-from qflow.protocol.entries import Entry, entry_tail, new_entry, seq_and_size, seq_of, total_size
+from qflow.protocol.entries import (
+    Entry,
+    entry_tail,
+    new_entry,
+    properties_of,
+    seq_and_size,
+    seq_of,
+    total_size,
+)
 from qflow.protocol.ranges import RangeSet
 
 NEVER = 1 << 63  # an expiry later than any: nothing here expires
@@ -95,7 +104,8 @@ class Queue:
         self.slot = slot  # the accounting's number for it
         self.oplog = oplog  # where it announces enqueues and dequeues
         self.ready = ready  # where it announces new messages for its consumers
-        self.entries: deque[Entry] = deque()
+        # A priority queue's entries are by level (qflow.broker.priority), chosen here once.
+        self.entries: Any = PriorityEntries(max(settings.levels) + 1, self.level_of) if settings.levels else deque()
         self.consumers: list[Consumer] = []  # they acquire: each message goes to one
         self.browsers: list[Consumer] = []  # they see every message and take none
         self.next_consumer = 0
@@ -168,6 +178,33 @@ class Queue:
             self.oplog.enqueue(self.slot, size, seq)
         return seq
 
+    def level_of(self, entry: Entry) -> int:
+        """A priority queue's level for ``entry``, from its ``priority`` property."""
+        priority = (properties_of(entry) or {}).get("priority")
+        return self.settings.default_level if priority is None else self.settings.levels[priority]
+
+    def enqueue_at(self, level: int, tail: bytes, size: int) -> int:
+        """:meth:`enqueue` (in the transfer the caller opened, or outside any) at
+        ``level`` of a priority queue; returns the message's sequence number."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        self.entries.append_at(level, new_entry(seq, size, tail))
+        self.count += 1
+        self.nbytes += size
+        if self.consumers or self.browsers:
+            self.ready[self] = None
+        self.oplog.enqueue(self.slot, size, seq)
+        return seq
+
+    def first_sequence(self) -> int:
+        """The sequence number of the oldest message available here, or the next one's."""
+        entries = self.entries
+        if not entries:
+            return self.next_seq
+        if self.settings.levels:
+            return min(seq_of(level[0]) for level in entries.levels if level)
+        return seq_of(entries[0])
+
     def enqueue_run(self, entries: list[Entry], nbytes: int) -> None:
         """Append entries made by the transfer scanner (qflow.broker.transfer_runs),
         whose announcements it wrote (the caller hands them to the op log)."""
@@ -193,7 +230,11 @@ class Queue:
             seq, size = seq_and_size(entry)
             nbytes += size
             enqueue(slot, size, seq)
-        self.entries.extend(entries)
+        if self.settings.levels:
+            for entry in entries:
+                self.entries.append_at(self.level_of(entry), entry)
+        else:
+            self.entries.extend(entries)
         self.count += len(entries)
         self.nbytes += nbytes
         for entry in entries:
@@ -248,8 +289,10 @@ class Queue:
         s = self.settings
         entries = self.entries
         dropped = []
+        # A priority queue drops the oldest of its lowest level.
+        pop = entries.pop_lowest if s.levels else entries.popleft
         while entries and ((s.max_count and self.count > s.max_count) or (s.max_size and self.nbytes > s.max_size)):
-            entry = entries.popleft()
+            entry = pop()
             self.dequeue(entry)
             dropped.append(entry)
             self.discards_ring += 1
@@ -292,6 +335,9 @@ class Queue:
         if self.expiries:
             self.next_expiry = 0  # those that expired while acquired go at the next delivery
         entries = self.entries
+        if self.settings.levels:
+            entries.put_back(returned)
+            return
         newest = seq_of(returned[-1])
         if entries and seq_of(entries[0]) < newest:
             older = []
@@ -332,7 +378,11 @@ class Queue:
         add = out.add
         n = 0
         last = after
-        for entry in islice(self.entries, self._index_after(after), None):
+        if self.settings.levels:
+            following: Any = (e for e in self.entries.in_sequence() if seq_of(e) > after)
+        else:
+            following = islice(self.entries, self._index_after(after), None)
+        for entry in following:
             last = seq_of(entry)
             add(last)
             n += 1
@@ -366,6 +416,8 @@ class Queue:
         entries = self.entries
         if not entries or first > last:
             return [], first, False
+        if self.settings.levels:
+            return entries.take(lambda seq: seq <= last and seq in sequences, most, first)
         i = self._index_after(first - 1)
         entries.rotate(-i)
         removed: list[Entry] = []
@@ -404,7 +456,7 @@ class Queue:
             "maxCount": self.settings.max_count,
             "maxSize": self.settings.max_size,
             "policyType": self.settings.policy,
-            "firstSequence": seq_of(self.entries[0]) if self.entries else self.next_seq,
+            "firstSequence": self.first_sequence(),
             "lastSequence": self.next_seq - 1,
             "incarnation": self.incarnation,
         }

@@ -207,7 +207,7 @@ def _options(arguments: dict[str, Any]) -> dict[str, Any]:
     if len({n for _, n in given}) > 1:
         raise SettingsError(f"{' and '.join(k for k, _ in given)} differ: give one")
     n = given[0][1] if given else 0
-    rabbit = _uint(arguments, MAX_PRIORITY_KEY, 9)
+    rabbit = _uint(arguments, MAX_PRIORITY_KEY, 255)  # RabbitMQ's limit; a message's priority is 0-9 here
     if n and rabbit:
         raise SettingsError(f"{given[0][0]} and {MAX_PRIORITY_KEY} are two ways to the same thing: give one")
     if n:
