@@ -16,8 +16,10 @@ import trio
 
 import qflow
 from qflow import protocol as P
+from qflow.broker import Broker
 from qflow.broker.broker import finish
 from qflow.protocol.entries import encode_tail, message_size, new_entry
+from qflow.store.definitions import CONFIG_NAME, DefinitionStore, frame
 from qflow.testing import Daemon, Harness, MemorySession, start
 from tests.test_unsupported_arguments import api
 
@@ -342,3 +344,21 @@ async def test_a_durable_message_keeps_its_expiry_across_a_restart(tmp_path: Pat
         assert _stats(d, "dq")["msgDepth"] == 1
     finally:
         d.stop()
+
+
+def test_a_durable_exchange_keeps_its_alternate_across_a_restart(tmp_path: Path) -> None:
+    """The durable definitions keep an exchange's arguments; a record written
+    before exchanges took arguments (three fields) still recovers."""
+    store = DefinitionStore.open(tmp_path)
+    broker = Broker()
+    store.restore(broker)
+    broker.declare_exchange("ae", "fanout", durable=True)
+    broker.declare_exchange("orders", "direct", durable=True, arguments={"alternate-exchange": "ae", "x-team": "a"})
+    store.close()
+    with open(tmp_path / CONFIG_NAME, "ab") as f:  # as an older qflowd wrote it
+        f.write(frame(["exchange", "old", "topic"]))
+    again = Broker()
+    DefinitionStore.open(tmp_path).restore(again)
+    assert again.exchanges["orders"].arguments == {"alternate-exchange": "ae", "x-team": "a"}
+    assert again.exchanges["orders"].alternate == "ae"
+    assert again.exchanges["old"].type == "topic" and again.exchanges["old"].arguments == {}
