@@ -174,6 +174,10 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
     p.add_argument("--mgmt-port", type=int, default=None, metavar="PORT",
                    help=f"management HTTP port; 0 picks a free one (default {DEFAULT_MGMT_PORT}, "
                         "or a free one when --port is 0)")
+    p.add_argument("--queue-purge-interval", type=float, default=1.0, metavar="SECS",
+                   help="seconds between two sweeps that drop expired messages from queues nobody reads "
+                        "(qpidd's option; its default is 600, qflowd's 1: a sweep looks only at queues whose "
+                        "earliest expiry has come; 0: no sweep)")
     p.add_argument("--mgmt-timeout", type=float, default=DEFAULT_MGMT_TIMEOUT, metavar="SECS",
                    help="seconds a management request may take to arrive, and an idle management "
                         f"connection may stay open (default {DEFAULT_MGMT_TIMEOUT:g})")
@@ -294,6 +298,9 @@ def parse_args(argv: list[str] | None, environ: dict[str, str] | None = None) ->
         args.mgmt_port = 0 if args.port == 0 else DEFAULT_MGMT_PORT
     if not 0 <= args.mgmt_port <= 65535:
         p.error(f"--mgmt-port must be 0..65535, not {args.mgmt_port}")
+    if not 0 <= args.queue_purge_interval < 86400:
+        p.error(f"--queue-purge-interval must be 0 (no sweep) or more, and less than a day, "
+                f"not {args.queue_purge_interval:g}")
     if not 0 < args.mgmt_timeout < 86400:
         p.error(f"--mgmt-timeout must be more than 0 seconds and less than a day, not {args.mgmt_timeout:g}")
     for name in args.mgmt_allowed_hosts:

@@ -434,7 +434,7 @@ async def test_unknown_command_code(daemon, healthy):
     ([P.TRANSFER, 0, "", 5, None, b"x"], "message.transfer", "routing_key"),
     ([P.TRANSFER, 0, None, "{queue}", None, b"x"], "message.transfer", "exchange"),
     ([P.TRANSFER, 0, "", "{queue}", {"durable": "yes"}, b"x"], "message.transfer", "durable"),
-    ([P.TRANSFER, 0, "", "{queue}", {"priority": 9}, b"x"], "message.transfer", "priority"),
+    ([P.TRANSFER, 0, "", "{queue}", {"priority": 10}, b"x"], "message.transfer", "priority"),
     ([P.TRANSFER, 0, "", "{queue}", [1], b"x"], "message.transfer", "properties"),
     ([P.SUBSCRIBE, 0, "{queue}", "d", "explicit", 0], "message.subscribe", "accept_mode"),
     ([P.FLOW, 0, "d", "many", -1], "message.flow", "messages"),

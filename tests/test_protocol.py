@@ -136,15 +136,17 @@ def test_command_name_of_unknown_code() -> None:
 def test_check_properties_accepts_every_known_key() -> None:
     props = {"message_id": "m", "correlation_id": "c", "content_type": "text/plain", "durable": True,
              "headers": {"a": 1, "b": [1, 2], "c": None}, "timestamp": 1_790_000_000_123}
-    assert set(props) == P.PROPERTY_KEYS
-    assert check_properties(props) is props
-    assert check_properties({}) == {}
-    assert check_properties(None) is None
-    assert check_properties({"message_id": None, "content_type": None}) == {"message_id": None,
-                                                                            "content_type": None}
+    assert check_properties(props) is False  # nothing the broker acts on when the message arrives
+    assert check_properties({**props, "ttl": 1000, "expiration": 1_790_000_001_123, "priority": 9}) is True
+    assert set(props) | {"ttl", "expiration", "priority"} == P.PROPERTY_KEYS
+    assert check_properties({}) is False
+    assert check_properties(None) is False
+    assert check_properties({"message_id": None, "content_type": None}) is False
+    for key, value in (("ttl", 0), ("expiration", 5), ("priority", 0)):
+        assert check_properties({"message_id": "m", key: value}) is True
 
 
-@pytest.mark.parametrize("key", ["priority", "ttl", "Message_Id", "reply_to"])
+@pytest.mark.parametrize("key", ["Ttl", "Message_Id", "reply_to", "x-message-ttl"])
 def test_check_properties_unknown_key(key: str) -> None:
     with pytest.raises(CommandError) as info:
         check_properties({"message_id": "m", key: "x"})
@@ -168,6 +170,14 @@ def test_check_properties_unknown_key(key: str) -> None:
     ({"timestamp": True}, "'timestamp' must be an integer"),
     ({"timestamp": -1}, "'timestamp' must be an integer"),
     ({"timestamp": None}, "'timestamp' must be an integer"),
+    ({"ttl": "1000"}, "'ttl' must be an integer of milliseconds"),
+    ({"ttl": -1}, "'ttl' must be an integer of milliseconds"),
+    ({"ttl": 1.5}, "'ttl' must be an integer of milliseconds"),
+    ({"ttl": None}, "'ttl' must be an integer of milliseconds"),
+    ({"expiration": True}, "'expiration' must be an integer of milliseconds"),
+    ({"priority": 10}, "'priority' must be an integer from 0 to 9"),
+    ({"priority": -1}, "'priority' must be an integer from 0 to 9"),
+    ({"priority": "high"}, "'priority' must be an integer from 0 to 9"),
     (["message_id", "m"], "properties must be a map or nil"),
     ("m", "properties must be a map or nil"),
 ])

@@ -14,7 +14,7 @@ Where a key asks for qflow's behaviour anyway (``x-queue-type=classic``,
 accepted: it changes nothing, and nothing is ignored.
 
 The arguments qflow implements are :data:`QUEUE_IMPLEMENTED` (qflow.broker.settings
-resolves them); exchanges take no arguments that qflow implements.
+resolves them) and :data:`EXCHANGE_IMPLEMENTED` (qflow.broker.exchange).
 
 Every path that creates or changes a queue or an exchange calls
 :func:`refuse_unsupported` before anything else looks at the arguments: the
@@ -59,7 +59,11 @@ def _u(broker: str, meaning: str, instead: str = "", harmless: tuple[Any, ...] =
 
 # The queue arguments qflow implements (qflow.broker.settings).
 QUEUE_IMPLEMENTED = ("qpid.max_count", "qpid.max_size", "qpid.policy_type", "qpid.flow_stop_count",
-                     "qpid.flow_resume_count", "qpid.flow_stop_size", "qpid.flow_resume_size")
+                     "qpid.flow_resume_count", "qpid.flow_stop_size", "qpid.flow_resume_size",
+                     "x-message-ttl", "alternate-exchange", "x-dead-letter-exchange", "x-dead-letter-routing-key",
+                     "qpid.priorities", "x-qpid-priorities", "x-max-priority")
+# The exchange arguments qflow implements (qflow.broker.exchange).
+EXCHANGE_IMPLEMENTED = ("alternate-exchange",)
 
 _MAX_COUNT = "qpid.max_count limits a queue by count"
 _MAX_SIZE = "qpid.max_size limits a queue by bytes"
@@ -69,8 +73,6 @@ _FLAGS = "the declare's own flag"
 
 QUEUE_ARGUMENTS: Mapping[str, Unsupported] = {
     # Qpid C++ broker (qpidd): QueueSettings and its aliases.
-    "qpid.priorities": _u(QPID, "priority levels", _LATER, (0,)),
-    "x-qpid-priorities": _u(QPID, "priority levels", _LATER, (0,)),
     "qpid.fairshare": _u(QPID, "fair-share delivery across priority levels", "", (0,)),
     "qpid.last_value_queue_key": _u(QPID, "a last-value queue"),
     "qpid.last_value_queue": _u(QPID, "a last-value queue"),
@@ -104,17 +106,12 @@ QUEUE_ARGUMENTS: Mapping[str, Unsupported] = {
     "qpid.filter": _u(QPID, "a selector on what the queue accepts"),
     "qpid.file_count": _u(QPID, "the legacy store's journal files", "the broker's --data-dir journal"),
     "qpid.file_size": _u(QPID, "the legacy store's journal files", "the broker's --data-dir journal"),
-    "alternate-exchange": _u(QPID, "dead letters go to another exchange", _LATER),
     # RabbitMQ: its queue arguments.
-    "x-message-ttl": _u(RABBITMQ, "message expiry", _LATER),
     "x-expires": _u(RABBITMQ, "deleting an unused queue after a time"),
     "x-max-length": _u(RABBITMQ, "a limit by count", _MAX_COUNT),
     "x-max-length-bytes": _u(RABBITMQ, "a limit by bytes", _MAX_SIZE),
     "x-overflow": _u(RABBITMQ, "what a full queue does", _POLICY),
-    "x-dead-letter-exchange": _u(RABBITMQ, "dead-lettering", _LATER),
-    "x-dead-letter-routing-key": _u(RABBITMQ, "dead-lettering", _LATER),
-    "x-dead-letter-strategy": _u(RABBITMQ, "dead-lettering", _LATER),
-    "x-max-priority": _u(RABBITMQ, "priority levels", _LATER, (0,)),
+    "x-dead-letter-strategy": _u(RABBITMQ, "at-least-once dead-lettering", "", ("at-most-once",)),
     "x-queue-type": _u(RABBITMQ, "a quorum or stream queue", "", ("classic",)),
     "x-queue-mode": _u(RABBITMQ, "a lazy queue", "", ("default",)),
     "x-queue-version": _u(RABBITMQ, "the classic queue's storage format"),
@@ -158,7 +155,6 @@ QUEUE_PREFIXES: Mapping[str, Unsupported] = {
 }
 
 EXCHANGE_ARGUMENTS: Mapping[str, Unsupported] = {
-    "alternate-exchange": _u(RABBITMQ, "unroutable messages go to another exchange", _LATER),
     "qpid.msg_sequence": _u(QPID, "a sequence number header on each message"),
     "qpid.ive": _u(QPID, "an initial-value exchange (replays the last message to new bindings)"),
     "qpid.sequence_counter": _u(QPID, "a sequence number header on each message"),

@@ -31,7 +31,7 @@ from qflow.broker.arguments import refuse_unsupported
 from qflow.broker.completion import Completion, Dequeued, Holder, holders_of
 from qflow.broker.config_hooks import ConfigHooks
 from qflow.broker.delivery import Delivery
-from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, new_exchange
+from qflow.broker.exchange import EXCHANGE_TYPES, Exchange, check_exchange_arguments, new_exchange
 from qflow.broker.flow_limit import FlowLimit
 from qflow.broker.oplog import OpLog
 from qflow.broker.ops import Accounting
@@ -39,7 +39,7 @@ from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
 from qflow.broker.settings import FlowDefaults, SettingsError, resolve, resume_without_stop
 from qflow.protocol import CommandError
-from qflow.protocol.entries import Entry, encode_tail, redelivered, seq_of
+from qflow.protocol.entries import Entry, encode_tail, entry_tail, message_size, redelivered, seq_of
 from qflow.protocol.names import printable
 from qflow.protocol.ranges import RangeSet
 from qflow.protocol.session_output import SessionOutput
@@ -120,13 +120,16 @@ class Broker:
         self._ready: dict[Queue, None] = {}  # queues with messages to deliver
         self._dirty_sessions: dict[BrokerSession, None] = {}  # sessions with something to report
         self._stalled: dict[Queue, None] = {}  # queues a consumer's full output left undelivered
-        self._delivery = Delivery(self._dirty_sessions, self._stalled)
+        self._delivery = Delivery(self._dirty_sessions, self._stalled, self._expire_for_delivery)
+        # Now, in ms since the Unix epoch: what message expiry is measured by (tests set their own).
+        self.clock: Callable[[], int] = _now_ms
         # (holder, matches, attached) per carry(): the rules that give every new queue its outside holders,
         # in the order they were made (the order a transfer's OP_HOLDs take).
         self._carries: list[tuple[Holder, Callable[[Queue], bool], Callable[[Queue], None] | None]] = []
         # Told of each configuration change before it is made; a store may refuse it (config_hooks.py).
         self.config_hooks = ConfigHooks()
         self.acl: Acl | None = None  # None: everything is allowed (no --acl-file)
+        self._own: BrokerSession | None = None  # the broker's own session (_own_session), made when needed
         # A long command the last execute() started and did not finish in one step
         # (qflow.broker.commands.Unfinished): its connection takes it and runs the rest.
         self.unfinished: Any = None
@@ -282,8 +285,14 @@ class Broker:
             when a destination is full and its policy refuses (nothing is enqueued);
             INVALID_ARGUMENT for properties the protocol does not take.
         """
-        if properties is not None:
-            P.check_properties(properties)
+        if properties is not None and P.check_properties(properties):
+            # A ttl, an expiration or a priority: stamped on arrival (a message without costs nothing more).
+            queues = self.route(exchange, routing_key, properties)
+            ex = self.exchanges[exchange]
+            if not queues and ex.alternate is not None:
+                queues = self._alternate_route(ex, routing_key, properties)
+            self._transfer_stamped(ssn, command_id, ex, queues, routing_key, properties, body)
+            return
         if exchange == "":  # the default exchange, inline: this is the per-message path
             ex = self._default_exchange
             q = self.queues.get(routing_key)
@@ -291,6 +300,8 @@ class Broker:
         else:
             queues = self.route(exchange, routing_key, properties)
             ex = self.exchanges[exchange]
+            if not queues and ex.alternate is not None:
+                queues = self._alternate_route(ex, routing_key, properties)
         if tail is None:
             tail = encode_tail(exchange, routing_key, properties, body)
         # The message's size (qflow.protocol.entries.message_size), inline: a call per
@@ -319,14 +330,21 @@ class Broker:
             if not q.special:
                 q.enqueue(tail, size, ssn.slot, command_id)
                 return
+            if q.stamps:
+                self._transfer_stamped(ssn, command_id, ex, queues, routing_key, properties, body)
+                return
             if not q.holders:  # a ring queue: room is made after the enqueue
                 q.enqueue(tail, size, ssn.slot, command_id)
-                q.trim_ring()
+                self._trim_ring(q)
                 return
         # Several destinations, or outside holders: the transfer is opened, each
         # queue enqueues, the queues' outside holders hold it, and closing it
         # drops its routing hold (qflow.broker.completion).
         if len(queues) > 1:
+            for q in queues:
+                if q.stamps:
+                    self._transfer_stamped(ssn, command_id, ex, queues, routing_key, properties, body)
+                    return
             ex.msg_extra += len(queues) - 1
             ex.byte_extra += size * (len(queues) - 1)
         oplog = self.oplog
@@ -342,7 +360,238 @@ class Broker:
         if special:
             for q in queues:
                 if q.ring:
-                    q.trim_ring()
+                    self._trim_ring(q)
+
+    # -- expiry and dead letters (messages stamped on arrival) -------------------------------
+    def _stamp(self, q: Queue, exchange: str, routing_key: str, properties: dict | None, body: bytes,
+               now: int) -> tuple[bytes, int, int]:
+        """A message as ``q`` stores it: (tail, size, expiry or 0). Its expiry is
+        absolute, ms since the Unix epoch (``expiration``, as qpidd keeps it), so
+        that it means the same after a restart: ``now`` + its ``ttl``, or its
+        ``expiration`` as sent, and no later than ``now`` + the queue's
+        ``x-message-ttl``. A ``ttl`` of 0 is none, as in Qpid."""
+        expiration = 0
+        if properties:
+            ttl = properties.get("ttl")
+            if ttl:
+                expiration = now + ttl
+            elif ttl is None:
+                expiration = properties.get("expiration") or 0
+        ttl = q.settings.ttl
+        if ttl and (not expiration or now + ttl < expiration):
+            expiration = now + ttl
+        if expiration:
+            properties = {**(properties or {}), "expiration": expiration}
+        tail = encode_tail(exchange, routing_key, properties, body)
+        return tail, message_size(len(tail), len(body)), expiration
+
+    def _transfer_stamped(self, ssn: BrokerSession, command_id: int, ex: Exchange, queues: Any, routing_key: str,
+                          properties: dict | None, body: bytes) -> None:
+        """:meth:`transfer` for a message the broker stamps on arrival (an expiry, a
+        priority level): each queue gets its own entry, and the transfer is the
+        general one (opened, each queue enqueues, its holders hold it, closed)."""
+        now = self.clock()
+        stamped = [self._stamp(q, ex.name, routing_key, properties, body, now) for q in queues]
+        if not queues:
+            tail = encode_tail(ex.name, routing_key, properties, body)
+            size = message_size(len(tail), len(body))
+            ex.msg_in += 1
+            ex.byte_in += size
+            ex.msg_drop += 1
+            ex.byte_drop += size
+            self.discards_no_route += 1
+            ssn.commands.complete(command_id)
+            self._dirty_sessions[ssn] = None
+            return
+        for q, (_, size, _) in zip(queues, stamped, strict=True):
+            if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
+                self._refuse_when_full(q)
+        size = stamped[0][1]
+        ex.msg_in += 1
+        ex.byte_in += size
+        if len(queues) > 1:
+            ex.msg_extra += len(queues) - 1
+            ex.byte_extra += size * (len(queues) - 1)
+        if ssn.last_queues is not queues:
+            self._note_writer(ssn, queues)
+        oplog = self.oplog
+        oplog.open_transfer(ssn.slot, command_id)
+        held = False
+        priority = properties.get("priority") if properties else None
+        for q, (tail, size, expiration) in zip(queues, stamped, strict=True):
+            if q.settings.levels:
+                s = q.settings
+                seq = q.enqueue_at(s.default_level if priority is None else s.levels[priority], tail, size)
+            else:
+                seq = q.enqueue(tail, size)
+            if expiration:
+                q.note_expiry(seq, expiration)
+            if q.holders:
+                held = True
+        if held:
+            self.completion.hold(queues)
+        oplog.close_transfer()
+        for q in queues:
+            if q.ring:
+                self._trim_ring(q)
+
+    def _alternate_route(self, ex: Exchange, routing_key: str, properties: dict | None) -> Any:
+        """Where a message ``ex`` routes nowhere goes: the queues its alternate
+        exchange routes it to, or that one's alternate's, and so on (each
+        exchange once); () if none."""
+        seen = {ex.name}
+        while ex.alternate is not None and ex.alternate not in seen:
+            seen.add(ex.alternate)
+            alternate = self.exchanges.get(ex.alternate)
+            if alternate is None:
+                return ()
+            queues = self.route(alternate.name, routing_key, properties)
+            if queues:
+                return queues
+            ex = alternate
+        return ()
+
+    def _trim_ring(self, q: Queue) -> None:
+        """A ring queue over its limit drops its oldest: dead letters."""
+        dropped = q.trim_ring()
+        if dropped:
+            self._route_dead(q, dropped)
+
+    def dead_letter(self, q: Queue, entries: list[Entry]) -> None:
+        """Dead-letter ``entries`` of ``q`` (a client's reject, an expiry), which
+        the caller has taken off ``q`` (available ones out of its entries, or
+        acquired ones a session gave up).
+
+        Rules:
+          * Each leaves ``q``'s depth exactly as a dequeue does: it is one
+            (:meth:`Queue.dequeue_many`, through the op log), so a producer held
+            by ``q`` is released by it as by an accept.
+          * Each is then routed to ``q``'s alternate exchange, if it has one
+            (``alternate-exchange``, ``x-dead-letter-exchange``), with
+            ``x-dead-letter-routing-key`` or else its own routing key, without
+            its ``ttl`` and ``expiration`` (a dead letter does not expire again
+            by them; the queue it reaches may give it its own default).
+          * On the queue it reaches it is an enqueue outside any transfer, as a
+            message recovered by the store is: it counts in that queue's depth
+            and can stop that queue's flow, and it holds no producer. A full
+            queue (reject policy) does not take it; a full ring queue drops
+            its oldest, which are not dead-lettered again (a ring of alternates
+            would never end).
+        """
+        if not entries or q.deleted:
+            return
+        q.dequeue_many(entries)
+        self._route_dead(q, entries)
+
+    def _route_dead(self, q: Queue, entries: list[Entry]) -> None:
+        """``entries``, dequeued from ``q``, go to its alternate exchange (see :meth:`dead_letter`)."""
+        q.dead_letters += len(entries)
+        name = q.settings.alternate
+        if name is None:
+            return
+        ex = self.exchanges.get(name)
+        if ex is None:
+            return  # an alternate exchange not declared (yet): dropped, counted in deadLetters
+        key = q.settings.dead_letter_key
+        now = self.clock()
+        for entry in entries:
+            _, routing_key, properties, body = entry_tail(entry)
+            if properties:
+                properties = {k: v for k, v in properties.items() if k != "ttl" and k != "expiration"} or None
+            if key is not None:
+                routing_key = key
+            queues = self.route(name, routing_key, properties)
+            if not queues:
+                queues = self._alternate_route(ex, routing_key, properties)
+            stamped = [self._stamp(dq, name, routing_key, properties, body, now) for dq in queues]
+            size = stamped[0][1] if stamped else message_size(len(encode_tail(name, routing_key, properties, body)),
+                                                              len(body))
+            ex.msg_in += 1
+            ex.byte_in += size
+            if not queues:
+                ex.msg_drop += 1
+                ex.byte_drop += size
+                continue
+            ex.msg_extra += len(queues) - 1
+            ex.byte_extra += size * (len(queues) - 1)
+            taking = []
+            for dq, (tail, size, expiration) in zip(queues, stamped, strict=True):
+                if not dq.ring and ((dq.max_count and dq.count >= dq.max_count)
+                                    or (dq.max_size and dq.nbytes + size > dq.max_size)):
+                    dq.discards_overflow += 1
+                    continue
+                taking.append((dq, tail, size, expiration))
+            # A queue with outside holders (a durable queue: the store) must hold the dead letter as it
+            # holds a transfer, or the store would never write it: it is then a transfer of the broker's
+            # own session, which no producer waits on. Elsewhere it is an enqueue outside any transfer.
+            held = any(dq.holders for dq, _, _, _ in taking)
+            if held:
+                own = self._own_session()
+                self.oplog.open_transfer(own.slot, own.commands.receive())
+            for dq, tail, size, expiration in taking:
+                if dq.settings.levels:
+                    s = dq.settings
+                    priority = properties.get("priority") if properties else None
+                    seq = dq.enqueue_at(s.default_level if priority is None else s.levels[priority], tail, size)
+                else:
+                    seq = dq.enqueue(tail, size)
+                if expiration:
+                    dq.note_expiry(seq, expiration)
+            if held:
+                self.completion.hold([dq for dq, _, _, _ in taking])
+                self.oplog.close_transfer()
+            for dq, _, _, _ in taking:
+                if dq.ring:
+                    dq.trim_ring()
+
+    def _own_session(self) -> BrokerSession:
+        """The broker's own session: the transfers it makes itself (dead letters to durable queues)."""
+        own = self._own
+        if own is None:
+            own = self._own = self.open_session(-1, "qflowd: dead letters", _Unread(), "qflowd")  # type: ignore[arg-type]
+        return own
+
+    def _expire_due(self, q: Queue) -> Steps:
+        """Dead-letter ``q``'s available messages whose expiry has come, SLICE per
+        step; counted in ``discardsTtl``. Acquired ones wait: if they come back
+        (released), the next delivery drops them."""
+        due = q.expired(self.clock())
+        n = 0
+        if not due:
+            return n
+        ranges = list(due.ranges())
+        first, last = ranges[0][0], ranges[-1][1]
+        while not q.deleted:
+            self._apply()  # dequeue_many reads which transfers the queue holds
+            taken, first, more = q.take_sequences_slice(due, first, last, SLICE)
+            if taken:
+                q.discards_ttl += len(taken)
+                self.dead_letter(q, taken)
+                n += len(taken)
+            if not more:
+                break
+            yield
+        self._apply()
+        return n
+
+    def _expire_for_delivery(self, q: Queue) -> None:
+        """Before ``q`` delivers: its expired messages go (Delivery calls this
+        only for a queue with messages that expire)."""
+        if q.next_expiry <= self.clock():
+            finish(self._expire_due(q))
+
+    def expire_steps(self) -> Steps:
+        """Drop the expired messages of every queue (qpidd's periodic purge,
+        ``--queue-purge-interval``): without it, expired messages on a queue
+        nobody reads would stay, and hold its producers. Its value: how many
+        expired."""
+        now = self.clock()
+        n = 0
+        for q in list(self.queues.values()):
+            if q.expiries and q.next_expiry <= now and not q.deleted:
+                n += yield from self._expire_due(q)
+        self.flush()
+        return n
 
     def _refuse_when_full(self, q: Queue) -> None:
         """``q`` is full: raise unless its policy lets the message in (a ring
@@ -377,7 +626,8 @@ class Broker:
             if run.properties_len != 1:  # not nil
                 properties = msgpack.unpackb(buf[run.properties:run.properties + run.properties_len],
                                              raw=False, strict_map_key=False)
-                P.check_properties(properties)
+                if P.check_properties(properties):
+                    return 0  # stamped on arrival: frame by frame
             q = self.queues.get(routing_key) if exchange == "" else None
             if q is not None:  # the default exchange's usual case, inline
                 ex, queues = self._default_exchange, q.route
@@ -392,6 +642,8 @@ class Broker:
             return 0
         max_bytes = 1 << 64
         for q in queues:
+            if q.stamps:
+                return 0
             if q.max_count:
                 count = min(count, q.max_count - q.count)
             if q.max_size:
@@ -498,7 +750,7 @@ class Broker:
                     break  # a session's deliveries from one queue come in queue order
         if oldest is None:
             return False
-        return not q.entries or oldest < seq_of(q.entries[0])
+        return not q.entries or oldest < q.first_sequence()
 
     # -- outside holders ----------------------------------------------------------
     def add_holder(self, name: str, wake: Callable[[], None] | None = None, dequeued: Dequeued | None = None,
@@ -789,6 +1041,9 @@ class Broker:
             settings = resolve(merged, self.defaults)
         except SettingsError as exc:
             raise CommandError(P.INVALID_ARGUMENT, f"queue.modify {q.name!r}: {exc}") from None
+        if settings.levels != q.settings.levels:
+            raise CommandError(P.INVALID_ARGUMENT, f"queue.modify {q.name!r}: a queue's priority levels are fixed "
+                                                   "when it is declared")
         self._warn_resume_without_stop(q.name, merged)
         self.config_hooks.modify_queue(q, merged)
         completions = self.completion.set_thresholds(q, settings)
@@ -900,6 +1155,8 @@ class Broker:
         while not q.deleted:
             self._apply()
             batch = []
+            if q.settings.levels:
+                batch = entries.take(lambda seq: seq <= sequence, SLICE)[0]
             while entries and len(batch) < SLICE and seq_of(entries[0]) <= sequence:
                 batch.append(entries.popleft())
             if batch:
@@ -934,6 +1191,8 @@ class Broker:
         return self._available(q, after, limit, max_ranges)
 
     def _available(self, q: Queue, after: int, limit: int, max_ranges: int | None) -> Steps:
+        if q.expiries:  # an expired message is not available
+            yield from self._expire_due(q)
         out = RangeSet()
         left = limit
         while not q.deleted:
@@ -949,7 +1208,7 @@ class Broker:
                 break
             yield
         return {"incarnation": q.incarnation, "sequences": out.to_wire(),
-                "firstSequence": seq_of(q.entries[0]) if q.entries else q.next_seq,
+                "firstSequence": q.first_sequence(),
                 "lastSequence": q.next_seq - 1}
 
     def remove_sequences(self, name: str, incarnation: str, sequences: RangeSet,
@@ -1017,12 +1276,18 @@ class Broker:
         return self._purge(q, q.next_seq - 1)
 
     def _purge(self, q: Queue, newest: int) -> Steps:
+        if q.expiries:  # the expired ones are counted as such, and dead-lettered
+            yield from self._expire_due(q)
         entries = q.entries
         n = 0
         while True:
             self._apply()  # dequeue_many reads which transfers the queue holds
-            k = min(SLICE, len(entries))
-            batch = [entries.popleft() for _ in range(k)]
+            if q.settings.levels:  # by level: those numbered up to newest, wherever they are
+                batch, _, more = entries.take(lambda seq: seq <= newest, SLICE)
+                k = SLICE if more else 0
+            else:
+                k = min(SLICE, len(entries))
+                batch = [entries.popleft() for _ in range(k)]
             if batch and seq_of(batch[-1]) > newest:  # the last slice: newer messages stay
                 newer = [e for e in batch if seq_of(e) > newest]
                 del batch[len(batch) - len(newer):]
@@ -1054,14 +1319,25 @@ class Broker:
         of the senders writing to it now (0 without a count threshold)."""
         return self.limits[q].worst_case(q.settings)
 
-    def declare_exchange(self, name: str, type_: str, durable: bool = False, passive: bool = False) -> bool:
+    def declare_exchange(self, name: str, type_: str, durable: bool = False, passive: bool = False,
+                         arguments: dict[str, Any] | None = None) -> bool:
         """Declare the exchange ``name`` unless it exists; whether it was created.
 
+        Args:
+          arguments: ``alternate-exchange`` (where what it routes nowhere goes),
+            or labels; one another broker acts on and qflow does not is refused.
+
         Raises:
-          CommandError: INVALID_ARGUMENT (a bad name or type), NOT_FOUND
+          CommandError: INVALID_ARGUMENT (a bad name, type or argument), NOT_FOUND
             (``passive``, no such exchange), NOT_ALLOWED (it exists with another
             type, or the name starts with ``amq.``), or the store's refusal.
         """
+        arguments = arguments or {}
+        refuse_unsupported(f"exchange.declare {name!r}", "exchange", arguments)
+        try:
+            check_exchange_arguments(arguments)
+        except ValueError as exc:
+            raise CommandError(P.INVALID_ARGUMENT, f"exchange.declare {name!r}: {exc}") from None
         self._check_name("exchange", name)
         ex = self.exchanges.get(name)
         if ex is not None:
@@ -1075,8 +1351,8 @@ class Broker:
                                f"exchange.declare: type must be one of {', '.join(EXCHANGE_TYPES)}, not {type_!r}")
         if name.startswith("amq."):
             raise CommandError(P.NOT_ALLOWED, f"exchange.declare: names starting with 'amq.' are reserved ({name!r})")
-        self.config_hooks.declare_exchange(name, type_, durable)
-        self.exchanges[name] = new_exchange(name, type_, durable)
+        self.config_hooks.declare_exchange(name, type_, durable, arguments)
+        self.exchanges[name] = new_exchange(name, type_, durable, arguments)
         return True
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
@@ -1185,6 +1461,35 @@ class Broker:
             q.browsers.remove(c)
         if q.auto_delete and q.had_consumer and not q.consumers and not q.deleted:
             self.delete_queue_now(q)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class _Unread:
+    """The output of the broker's own session: what it is told (its transfers' completions) is read by nobody."""
+
+    def completed(self, report: list[int]) -> None:
+        pass
+
+    def flow_notice(self, name: str, held: bool, holder: bool = False) -> None:
+        pass
+
+    def exception(self, command_id: int, code: int, text: str) -> None:
+        pass
+
+    def result(self, command_id: int, value: Any) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def room(self) -> int:
+        return 0
+
+    def deliveries(self, destination: str) -> Any:
+        raise LookupError("the broker's own session has no consumers")
 
 
 def _carry(rule: tuple[Holder, Callable[[Queue], bool], Callable[[Queue], None] | None], q: Queue) -> None:

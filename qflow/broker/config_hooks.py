@@ -37,7 +37,7 @@ class ConfigHooks:
     def delete_queue(self, q: Queue) -> None:
         """``q`` is about to be deleted, and with it every binding to it."""
 
-    def declare_exchange(self, name: str, type_: str, durable: bool) -> None:
+    def declare_exchange(self, name: str, type_: str, durable: bool, arguments: dict[str, Any]) -> None:
         """An exchange is about to be created."""
 
     def delete_exchange(self, ex: Exchange) -> None:

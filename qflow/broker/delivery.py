@@ -18,7 +18,9 @@ noted in ``stalled``, to be dispatched again once output drains
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from itertools import accumulate, islice, repeat, starmap
+from typing import Any
 
 from qflow.broker.queue import Consumer, Queue
 from qflow.broker.session import BrokerSession
@@ -30,12 +32,18 @@ from qflow.protocol.entries import Entry, seq_and_size, seq_of
 class Delivery:
     """Delivers for every queue; ``dirty`` collects the sessions given deliveries."""
 
-    def __init__(self, dirty: dict[BrokerSession, None], stalled: dict[Queue, None]) -> None:
+    def __init__(self, dirty: dict[BrokerSession, None], stalled: dict[Queue, None],
+                 expire: Callable[[Queue], None]) -> None:
         self.dirty = dirty
         self.stalled = stalled  # queues left undelivered for want of output room
+        self.expire = expire  # drops a queue's expired messages (Broker._expire_for_delivery)
 
     def dispatch(self, q: Queue) -> None:
-        """Deliver what ``q`` has to its browsers and consumers, as their credit allows."""
+        """Deliver what ``q`` has to its browsers and consumers, as their credit
+        allows. A queue with messages that expire drops the expired ones first:
+        no consumer nor browser is given one."""
+        if q.expiries:
+            self.expire(q)
         for c in q.browsers:
             self._browse(c, q)
         entries = q.entries
@@ -62,7 +70,11 @@ class Delivery:
         entries = q.entries
         if not entries or seq_of(entries[-1]) < c.cursor or c.credit == 0:
             return
-        i = bisect_left(entries, c.cursor, key=seq_of)
+        cursor = c.cursor
+        if q.settings.levels:  # a priority queue is browsed in sequence order too
+            following: Any = (e for e in entries.in_sequence() if seq_of(e) >= cursor)
+        else:
+            following = islice(entries, bisect_left(entries, cursor, key=seq_of), None)
         ssn = c.session
         room = ssn.out.room()
         if room <= 0:
@@ -73,7 +85,7 @@ class Delivery:
         # Iterate, never index: indexing a deque far from its ends walks its
         # blocks, which made a browser deep in a long queue cost O(depth) per message.
         nbytes = 0
-        for e in islice(entries, i, None):
+        for e in following:
             if c.credit == 0:
                 break
             if nbytes >= room:

@@ -7,7 +7,7 @@ word and ``#`` matches zero or more, as in AMQP/Qpid.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from qflow.broker.queue import Queue
@@ -20,12 +20,15 @@ class Exchange:
     so a caller can tell cheaply that the destinations did not change."""
 
     __slots__ = ("name", "durable", "_bindings", "_cache", "msg_in", "byte_in", "msg_drop", "byte_drop",
-                 "msg_extra", "byte_extra")
+                 "msg_extra", "byte_extra", "arguments", "alternate")
     type = ""
 
-    def __init__(self, name: str, durable: bool = False) -> None:
+    def __init__(self, name: str, durable: bool = False, arguments: dict[str, Any] | None = None) -> None:
         self.name = name
         self.durable = durable
+        self.arguments = arguments or {}
+        # Where a message this exchange routes to no queue goes (its ``alternate-exchange``); None: dropped.
+        self.alternate: str | None = self.arguments.get(ALTERNATE)
         # Statistics, counted by the broker as it routes (Broker.transfer, transfer_run). Qpid's msgReceives
         # is msg_in, msgDrops msg_drop, and msgRoutes (one per destination queue) is msg_in - msg_drop +
         # msg_extra, where msg_extra counts the copies beyond the first: a message routed to one queue, the
@@ -123,12 +126,27 @@ class TopicExchange(Exchange):
 EXCHANGE_TYPES: dict[str, type[Exchange]] = {cls.type: cls for cls in (DirectExchange, FanoutExchange, TopicExchange)}
 
 
-def new_exchange(name: str, type_: str, durable: bool = False) -> Exchange:
-    """An exchange of the registered type ``type_``; ValueError for an unknown type."""
+ALTERNATE = "alternate-exchange"
+EXCHANGE_IMPLEMENTED = (ALTERNATE,)
+
+
+def check_exchange_arguments(arguments: dict[str, Any]) -> None:
+    """ValueError, saying what is wrong, unless ``arguments`` are an exchange's
+    valid arguments (``alternate-exchange``: an exchange's name; other keys
+    are labels, unless qflow.broker.arguments refused them)."""
+    alternate = arguments.get(ALTERNATE)
+    if ALTERNATE in arguments and (type(alternate) is not str or not alternate):
+        raise ValueError(f"{ALTERNATE} must be an exchange's name, not {alternate!r}")
+
+
+def new_exchange(name: str, type_: str, durable: bool = False, arguments: dict[str, Any] | None = None) -> Exchange:
+    """An exchange of the registered type ``type_``; ValueError for an unknown type
+    or invalid arguments (:func:`check_exchange_arguments`)."""
     cls = EXCHANGE_TYPES.get(type_)
     if cls is None:
         raise ValueError(f"exchange type must be one of {', '.join(EXCHANGE_TYPES)}, not {type_!r}")
-    return cls(name, durable)
+    check_exchange_arguments(arguments or {})
+    return cls(name, durable, arguments)
 
 
 _EMPTY: list = []

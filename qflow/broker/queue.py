@@ -21,9 +21,20 @@ from itertools import islice
 from typing import Any, Protocol
 
 from qflow.broker.oplog import OpLog
+from qflow.broker.priority import PriorityEntries
 from qflow.broker.settings import QueueSettings
-from qflow.protocol.entries import Entry, new_entry, seq_and_size, seq_of, total_size
+from qflow.protocol.entries import (
+    Entry,
+    entry_tail,
+    new_entry,
+    properties_of,
+    seq_and_size,
+    seq_of,
+    total_size,
+)
 from qflow.protocol.ranges import RangeSet
+
+NEVER = 1 << 63  # an expiry later than any: nothing here expires
 
 
 class CarriedHolder(Protocol):
@@ -63,6 +74,7 @@ class Queue:
         "total_dequeues", "byte_total_dequeues", "max_count", "max_size", "ring",
         "discards_ring", "discards_overflow", "binding_count", "had_consumer", "deleted",
         "route", "browsers", "holders", "special", "incarnation", "amqp", "delivery_failures",
+        "stamps", "expiries", "next_expiry", "discards_ttl", "dead_letters",
     )
 
     def __init__(
@@ -81,12 +93,22 @@ class Queue:
         self.holders: tuple[CarriedHolder, ...] = ()  # outside holders of the transfers routed here
         # A ring queue, or one with outside holders: the per-message path tests this one flag
         # for both, so that a queue with neither costs no more for their existence.
-        self.special = self.ring
+        # A queue whose messages are stamped on arrival (a default ttl, priority levels) takes
+        # the broker's general path; it is special for that one test too.
+        self.stamps = bool(settings.ttl or settings.levels)
+        self.special = self.ring or self.stamps
+        # The expiry (ms since the epoch) of each message here that has one, by sequence number
+        # (those dequeued leave it), and the earliest of them, or later: see expired().
+        self.expiries: dict[int, int] = {}
+        self.next_expiry = NEVER
+        self.discards_ttl = 0  # messages that expired here (qpidd's discardsTtl)
+        self.dead_letters = 0  # messages that left here as dead letters, to the alternate exchange or not
         self.owner = owner
         self.slot = slot  # the accounting's number for it
         self.oplog = oplog  # where it announces enqueues and dequeues
         self.ready = ready  # where it announces new messages for its consumers
-        self.entries: deque[Entry] = deque()
+        # A priority queue's entries are by level (qflow.broker.priority), chosen here once.
+        self.entries: Any = PriorityEntries(max(settings.levels) + 1, self.level_of) if settings.levels else deque()
         self.consumers: list[Consumer] = []  # they acquire: each message goes to one
         self.browsers: list[Consumer] = []  # they see every message and take none
         self.next_consumer = 0
@@ -117,7 +139,8 @@ class Queue:
         self.max_count = settings.max_count
         self.max_size = settings.max_size
         self.ring = settings.is_ring
-        self.special = self.ring or bool(self.holders)
+        self.stamps = bool(settings.ttl or settings.levels)
+        self.special = self.ring or self.stamps or bool(self.holders)
 
     # -- outside holders ------------------------------------------------------
     def add_holder(self, holder: CarriedHolder) -> None:
@@ -132,7 +155,7 @@ class Queue:
         """From now on ``holder`` does not hold the transfers routed here; the
         holds it has keep until it releases them."""
         self.holders = tuple(h for h in self.holders if h is not holder)
-        self.special = self.ring or bool(self.holders)
+        self.special = self.ring or self.stamps or bool(self.holders)
 
     @property
     def total_enqueues(self) -> int:
@@ -164,6 +187,33 @@ class Queue:
             self.oplog.enqueue(self.slot, size, seq)
         return seq
 
+    def level_of(self, entry: Entry) -> int:
+        """A priority queue's level for ``entry``, from its ``priority`` property."""
+        priority = (properties_of(entry) or {}).get("priority")
+        return self.settings.default_level if priority is None else self.settings.levels[priority]
+
+    def enqueue_at(self, level: int, tail: bytes, size: int) -> int:
+        """:meth:`enqueue` (in the transfer the caller opened, or outside any) at
+        ``level`` of a priority queue; returns the message's sequence number."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        self.entries.append_at(level, new_entry(seq, size, tail))
+        self.count += 1
+        self.nbytes += size
+        if self.consumers or self.browsers:
+            self.ready[self] = None
+        self.oplog.enqueue(self.slot, size, seq)
+        return seq
+
+    def first_sequence(self) -> int:
+        """The sequence number of the oldest message available here, or the next one's."""
+        entries = self.entries
+        if not entries:
+            return self.next_seq
+        if self.settings.levels:
+            return min(seq_of(level[0]) for level in entries.levels if level)
+        return seq_of(entries[0])
+
     def enqueue_run(self, entries: list[Entry], nbytes: int) -> None:
         """Append entries made by the transfer scanner (qflow.broker.transfer_runs),
         whose announcements it wrote (the caller hands them to the op log)."""
@@ -189,9 +239,18 @@ class Queue:
             seq, size = seq_and_size(entry)
             nbytes += size
             enqueue(slot, size, seq)
-        self.entries.extend(entries)
+        if self.settings.levels:
+            for entry in entries:
+                self.entries.append_at(self.level_of(entry), entry)
+        else:
+            self.entries.extend(entries)
         self.count += len(entries)
         self.nbytes += nbytes
+        for entry in entries:
+            if b"expiration" in entry:  # bytes of the body may say so too: then properties tell
+                expiration = (entry_tail(entry)[2] or {}).get("expiration")
+                if type(expiration) is int:
+                    self.note_expiry(seq_of(entry), expiration)
         if entries:
             self.next_seq = seq_of(entries[-1]) + 1
             if self.consumers or self.browsers:
@@ -208,6 +267,8 @@ class Queue:
         self.oplog.dequeue(self.slot, entry)
         if self.holders:
             self._tell_holders((entry,))
+        if self.expiries:
+            self.expiries.pop(seq_of(entry), None)
 
     def _tell_holders(self, entries: Sequence[Entry]) -> None:
         for holder in self.holders:
@@ -219,6 +280,10 @@ class Queue:
         dequeues are told of all of them at once."""
         if self.holders:
             self._tell_holders(entries)
+        if self.expiries:
+            pop = self.expiries.pop
+            for entry in entries:
+                pop(seq_of(entry), None)
         n, nbytes = len(entries), total_size(entries)
         if n:
             self.count -= n
@@ -227,13 +292,41 @@ class Queue:
             self.byte_total_dequeues += nbytes
             self.oplog.dequeue_many(self.slot, entries, nbytes)
 
-    def trim_ring(self) -> None:
-        """A ring queue over its limit drops its oldest available messages."""
+    def trim_ring(self) -> list[Entry]:
+        """A ring queue over its limit drops its oldest available messages;
+        returns them (dequeued: the broker sends them to the alternate exchange)."""
         s = self.settings
         entries = self.entries
+        dropped = []
+        # A priority queue drops the oldest of its lowest level.
+        pop = entries.pop_lowest if s.levels else entries.popleft
         while entries and ((s.max_count and self.count > s.max_count) or (s.max_size and self.nbytes > s.max_size)):
-            self.dequeue(entries.popleft())
+            entry = pop()
+            self.dequeue(entry)
+            dropped.append(entry)
             self.discards_ring += 1
+        return dropped
+
+    # -- expiry ---------------------------------------------------------------
+    def note_expiry(self, seq: int, expiration: int) -> None:
+        """Message ``seq`` (enqueued) expires at ``expiration`` (ms since the Unix epoch)."""
+        self.expiries[seq] = expiration
+        if expiration < self.next_expiry:
+            self.next_expiry = expiration
+
+    def expired(self, now: int) -> RangeSet:
+        """The sequence numbers of the messages here (available or acquired) whose
+        expiry is ``now`` or earlier. Looks at every message with an expiry, so
+        the broker asks only once ``next_expiry`` is due, which this updates."""
+        due = RangeSet()
+        later = NEVER
+        for seq, expiration in self.expiries.items():
+            if expiration <= now:
+                due.add(seq)
+            elif expiration < later:
+                later = expiration
+        self.next_expiry = later
+        return due
 
     def put_back(self, entry: Entry) -> None:
         """Return an acquired entry to its place in FIFO order (release, session close)."""
@@ -248,7 +341,12 @@ class Queue:
         if not returned:
             return
         self.ready[self] = None
+        if self.expiries:
+            self.next_expiry = 0  # those that expired while acquired go at the next delivery
         entries = self.entries
+        if self.settings.levels:
+            entries.put_back(returned)
+            return
         newest = seq_of(returned[-1])
         if entries and seq_of(entries[0]) < newest:
             older = []
@@ -289,7 +387,11 @@ class Queue:
         add = out.add
         n = 0
         last = after
-        for entry in islice(self.entries, self._index_after(after), None):
+        if self.settings.levels:
+            following: Any = (e for e in self.entries.in_sequence() if seq_of(e) > after)
+        else:
+            following = islice(self.entries, self._index_after(after), None)
+        for entry in following:
             last = seq_of(entry)
             add(last)
             n += 1
@@ -311,9 +413,20 @@ class Queue:
         ``most`` available messages numbered ``first`` to ``last``, and dequeue
         those in ``sequences``. Returns (how many went, the number to go on
         from, whether messages up to ``last`` may be left to look at)."""
+        removed, nxt, more = self.take_sequences_slice(sequences, first, last, most)
+        if removed:
+            self.dequeue_many(removed)
+        return len(removed), nxt, more
+
+    def take_sequences_slice(self, sequences: RangeSet, first: int, last: int,
+                             most: int) -> tuple[list[Entry], int, bool]:
+        """:meth:`remove_sequences_slice`, but the entries taken out are
+        returned, not dequeued: the caller dequeues them (as dead letters)."""
         entries = self.entries
         if not entries or first > last:
-            return 0, first, False
+            return [], first, False
+        if self.settings.levels:
+            return entries.take(lambda seq: seq <= last and seq in sequences, most, first)
         i = self._index_after(first - 1)
         entries.rotate(-i)
         removed: list[Entry] = []
@@ -328,9 +441,7 @@ class Queue:
         more = seen == most and bool(entries) and seq_of(entries[0]) <= last
         entries.extendleft(reversed(kept))
         entries.rotate(i)
-        if removed:
-            self.dequeue_many(removed)
-        return len(removed), nxt, more
+        return removed, nxt, more
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -349,10 +460,12 @@ class Queue:
             "bindingCount": self.binding_count,
             "discardsRing": self.discards_ring,
             "discardsOverflow": self.discards_overflow,
+            "discardsTtl": self.discards_ttl,
+            "deadLetters": self.dead_letters,
             "maxCount": self.settings.max_count,
             "maxSize": self.settings.max_size,
             "policyType": self.settings.policy,
-            "firstSequence": seq_of(self.entries[0]) if self.entries else self.next_seq,
+            "firstSequence": self.first_sequence(),
             "lastSequence": self.next_seq - 1,
             "incarnation": self.incarnation,
         }

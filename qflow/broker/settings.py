@@ -47,6 +47,12 @@ RESUME_COUNT = "qpid.flow_resume_count"
 STOP_SIZE = "qpid.flow_stop_size"
 RESUME_SIZE = "qpid.flow_resume_size"
 FLOW_KEYS = (STOP_COUNT, RESUME_COUNT, STOP_SIZE, RESUME_SIZE)
+MESSAGE_TTL = "x-message-ttl"  # RabbitMQ's; qpidd has no queue default for a message's ttl
+PRIORITIES = ("qpid.priorities", "x-qpid-priorities")
+MAX_PRIORITY_KEY = "x-max-priority"
+ALTERNATE = ("alternate-exchange", "x-dead-letter-exchange")
+DEAD_LETTER_KEY = "x-dead-letter-routing-key"
+TTL_MAX = (1 << 63) - 1
 POLICIES = ("reject", "ring", "ring-strict", "none")
 
 
@@ -85,6 +91,13 @@ class QueueSettings:
     resume_count: int
     stop_size: int
     resume_size: int
+    ttl: int = 0  # ms a message without its own ttl lives here; 0 = for ever
+    # The priority level (0 lowest) of a message of priority 0..9, and of one without a priority;
+    # () = not a priority queue.
+    levels: tuple[int, ...] = ()
+    default_level: int = 0
+    alternate: str | None = None  # where this queue's dead letters go; None = nowhere
+    dead_letter_key: str | None = None  # their routing key; None = each message's own
 
     @property
     def flow_enabled(self) -> bool:
@@ -172,8 +185,62 @@ def _validate(unit: _Unit, stop: int, resume: int, arguments: dict[str, Any], de
     return resume
 
 
+def priority_levels(levels: int) -> tuple[int, ...]:
+    """qpidd's mapping of a message's priority (0..9) to one of a queue's
+    ``levels`` (``qpid.priorities``), lowest 0: AMQP 0-10's rule
+    priority-level-implementation. The levels are centred on priority 5:
+    with ``first = 5 - min(5, ceil(levels / 2))``, priorities up to ``first``
+    share level 0, and each above it takes the next level, up to the last
+    (``levels=10`` is one level per priority; ``levels=2``: 0-4 low, 5-9 high)."""
+    first = 5 - min(5, -(-levels // 2))
+    return tuple(0 if p <= first else min(p - first, levels - 1) for p in range(10))
+
+
+def _options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The message-handling options: default ttl, priority levels, where dead letters go."""
+    ttl = _uint(arguments, MESSAGE_TTL, TTL_MAX) or 0
+    if MESSAGE_TTL in arguments and not ttl:
+        raise SettingsError(f"{MESSAGE_TTL}=0 (RabbitMQ: expire unless delivered at once) is not supported; "
+                            "give a time of 1 ms or more, or no key for no expiry")
+    given = [(key, _uint(arguments, key, 10)) for key in PRIORITIES if key in arguments]
+    options: dict[str, Any] = {"ttl": ttl}
+    if len({n for _, n in given}) > 1:
+        raise SettingsError(f"{' and '.join(k for k, _ in given)} differ: give one")
+    n = given[0][1] if given else 0
+    rabbit = _uint(arguments, MAX_PRIORITY_KEY, 255)  # RabbitMQ's limit; a message's priority is 0-9 here
+    if n and rabbit:
+        raise SettingsError(f"{given[0][0]} and {MAX_PRIORITY_KEY} are two ways to the same thing: give one")
+    if n:
+        # qpidd: a message without a priority has AMQP 0-10's default, 4.
+        options["levels"] = levels = priority_levels(n)
+        options["default_level"] = levels[4]
+    elif rabbit:
+        # RabbitMQ: priority p is level min(p, max); a message without one has priority 0.
+        options["levels"] = tuple(min(p, rabbit) for p in range(10))
+    alternates = [(key, arguments[key]) for key in ALTERNATE if key in arguments]
+    for key, value in alternates:
+        # RabbitMQ's "" is the default exchange (with x-dead-letter-routing-key naming a queue);
+        # qpidd's alternate-exchange has no such meaning, so it is refused there.
+        if type(value) is not str or (not value and key == ALTERNATE[0]):
+            raise SettingsError(f"{key} must be an exchange's name, not {value!r}")
+    if len({v for _, v in alternates}) > 1:
+        raise SettingsError(f"{' and '.join(k for k, _ in alternates)} name different exchanges: give one")
+    if alternates:
+        options["alternate"] = alternates[0][1]
+    if DEAD_LETTER_KEY in arguments:
+        key = arguments[DEAD_LETTER_KEY]
+        if type(key) is not str:
+            raise SettingsError(f"{DEAD_LETTER_KEY} must be a string, not {key!r}")
+        if not alternates:
+            raise SettingsError(f"{DEAD_LETTER_KEY} needs {ALTERNATE[1]} (or {ALTERNATE[0]})")
+        options["dead_letter_key"] = key
+    return options
+
+
 def resolve(arguments: dict[str, Any], defaults: FlowDefaults) -> QueueSettings:
-    """Validate a queue's arguments and decide its limits and flow thresholds, as qpidd does."""
+    """Validate a queue's arguments and decide its limits and flow thresholds, as qpidd does,
+    and its message-handling options (a default ttl, priority levels, an alternate exchange)."""
+    options = _options(arguments)
     max_count = _uint(arguments, MAX_COUNT, COUNT_MAX)
     max_size = _uint(arguments, MAX_SIZE, SIZE_MAX)
     policy = arguments.get(POLICY, "reject")
@@ -190,7 +257,7 @@ def resolve(arguments: dict[str, Any], defaults: FlowDefaults) -> QueueSettings:
     if policy in ("ring", "ring-strict"):  # rule 1: the flow keys were type-checked above, and are ignored
         if not max_count and not max_size:
             raise SettingsError(f"{POLICY}={policy} needs {MAX_COUNT} or {MAX_SIZE}")
-        return QueueSettings(max_count, max_size, policy, 0, 0, 0, 0)
+        return QueueSettings(max_count, max_size, policy, 0, 0, 0, 0, **options)
 
     # Rule 3: pre-fill from the broker's percentages, each only when it is non-zero.
     stop_count = resume_count = stop_size = resume_size = 0
@@ -211,12 +278,12 @@ def resolve(arguments: dict[str, Any], defaults: FlowDefaults) -> QueueSettings:
         resume_size = given[RESUME_SIZE]
     # Rule 5: both stops 0 is no flow limit at all; otherwise each unit is checked, count first.
     if not stop_count and not stop_size:
-        return QueueSettings(max_count, max_size, policy, 0, 0, 0, 0)
+        return QueueSettings(max_count, max_size, policy, 0, 0, 0, 0, **options)
     count = _Unit(STOP_COUNT, RESUME_COUNT, max_count, f"{MAX_COUNT}={max_count}")
     size = _Unit(STOP_SIZE, RESUME_SIZE, max_size, size_label)
     resume_count = _validate(count, stop_count, resume_count, arguments, defaults)
     resume_size = _validate(size, stop_size, resume_size, arguments, defaults)
-    return QueueSettings(max_count, max_size, policy, stop_count, resume_count, stop_size, resume_size)
+    return QueueSettings(max_count, max_size, policy, stop_count, resume_count, stop_size, resume_size, **options)
 
 
 def describe_transition(name: str, s: QueueSettings, flow_on: bool, count: int, nbytes: int) -> str:

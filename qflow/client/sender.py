@@ -42,7 +42,8 @@ def _to_bytes(body: Any) -> bytes:
 
 
 def _properties(message_id: str | None, correlation_id: str | None, content_type: str | None, durable: bool,
-                headers: dict[str, Any] | None, timestamp: int | None = None) -> dict[str, Any] | None:
+                headers: dict[str, Any] | None, timestamp: int | None = None, ttl: int | None = None,
+                priority: int | None = None) -> dict[str, Any] | None:
     """message.transfer's properties map, or None when there are none."""
     props: dict[str, Any] = {}
     if message_id is not None:
@@ -57,6 +58,10 @@ def _properties(message_id: str | None, correlation_id: str | None, content_type
         props["headers"] = headers
     if timestamp is not None:
         props["timestamp"] = timestamp
+    if ttl is not None:
+        props["ttl"] = ttl
+    if priority is not None:
+        props["priority"] = priority
     return props or None
 
 
@@ -223,7 +228,8 @@ class Sender:
 
     async def send(self, body: bytes | str, *, routing_key: str | None = None, message_id: str | None = None,
                    correlation_id: str | None = None, content_type: str | None = None, durable: bool | None = None,
-                   headers: dict[str, Any] | None = None) -> None:
+                   headers: dict[str, Any] | None = None, ttl: int | None = None,
+                   priority: int | None = None) -> None:
         """Send one message, waiting while ``capacity`` transfers are incomplete.
 
         It returns once the transfer is queued for the connection's writer,
@@ -237,6 +243,11 @@ class Sender:
             on a durable queue its transfer completes only once the broker
             has it on disk.
           headers: application headers, a map.
+          ttl: milliseconds the message may wait in a queue; once they have
+            passed it is not delivered (the broker stamps its ``expiration``
+            on arrival). None or 0: for ever (or the queue's ``x-message-ttl``).
+          priority: 0 to 9 (None: none, which a priority queue takes as 4,
+            as qpidd does); on a priority queue, higher goes first.
 
         Raises:
           QflowError: the broker's refusal of an earlier transfer of this sender.
@@ -249,12 +260,13 @@ class Sender:
         incomplete = self.incomplete
         if (incomplete >= self.capacity or self.errors or self.session.error or self._interval
                 or routing_key is not None or message_id is not None or correlation_id is not None
-                or content_type is not None or durable is not None or headers or type(body) is not bytes
+                or content_type is not None or durable is not None or headers or ttl is not None
+                or priority is not None or type(body) is not bytes
                 or len(body) != self._prefix_size):
             if durable is None:
                 durable = self._durable
-            body, prefix = await self._prepare(body, routing_key, _properties(message_id, correlation_id,
-                                                                              content_type, durable, headers))
+            body, prefix = await self._prepare(body, routing_key, _properties(
+                message_id, correlation_id, content_type, durable, headers, ttl=ttl, priority=priority))
             incomplete = self.incomplete
         else:  # the per-message path: a plain transfer whose body is the size of the last, from cached bytes
             prefix = self._prefix

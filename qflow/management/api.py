@@ -604,16 +604,12 @@ class ManagementApi:
         type_ = _get(fields, "type", str, required=True)
         durable = _get(fields, "durable", bool, False)
         arguments = _get(fields, "arguments", dict, {})
-        # Exchanges take no arguments: those another broker acts on are refused by name, as for queues,
-        # and any other is refused too (there is nowhere to keep it).
+        # Those another broker acts on and qflow does not are refused by name, as for queues.
         refuse_unsupported(f"exchange.declare {name!r}", "exchange", arguments)
-        if arguments:
-            raise ApiError(400, f"exchange {name!r}: qflow's exchanges take no arguments, got "
-                                f"{', '.join(map(repr, arguments))}")
         if name not in self.broker.exchanges:
             _check_new_name("exchange", name)
         self._allow("create", "exchange", {"name": name, "type": type_, "durable": durable})
-        created = self.broker.declare_exchange(name, type_, durable)
+        created = self.broker.declare_exchange(name, type_, durable, arguments=arguments)
         return json_response(201 if created else 200, exchange_view(self.broker.exchanges[name]))
 
     def delete_exchange(self, name: str, *, query: dict[str, str], body: bytes) -> Response:

@@ -69,7 +69,8 @@ def exchange_view(ex: Exchange) -> dict[str, Any]:
     """An exchange with Qpid's statistics: messages (and bytes) received, routed
     (one per destination queue, as qpidd's msgRoutes) and dropped for want of a
     route (msgDrops: an unroutable message is completed and discarded)."""
-    return {"name": ex.name, "type": ex.type, "durable": ex.durable, "bindingCount": ex.binding_count,
+    return {"name": ex.name, "type": ex.type, "durable": ex.durable, "arguments": ex.arguments,
+            "bindingCount": ex.binding_count,
             "msgReceives": ex.msg_in, "msgRoutes": ex.msg_in - ex.msg_drop + ex.msg_extra, "msgDrops": ex.msg_drop,
             "byteReceives": ex.byte_in, "byteRoutes": ex.byte_in - ex.byte_drop + ex.byte_extra,
             "byteDrops": ex.byte_drop}

@@ -77,6 +77,13 @@ def properties_at(entry: Entry) -> int:
     return str_end(entry, str_end(entry, ENTRY_HEAD_SIZE))
 
 
+def properties_of(entry: Entry) -> dict[str, Any] | None:
+    """``entry``'s properties, decoded (and nothing after them)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(memoryview(entry)[properties_at(entry):])
+    return unpacker.unpack()
+
+
 def redelivered(entry: Entry) -> Entry:
     """The entry marked redelivered (a new object: entries are immutable)."""
     return entry if entry[0] == REDELIVERED_YES else b"\xc3" + entry[1:]

@@ -85,7 +85,12 @@ CONNECTION_FORCED = 320
 FRAMING_ERROR = 501
 NORMAL = 200
 
-PROPERTY_KEYS = frozenset({"message_id", "correlation_id", "content_type", "durable", "headers", "timestamp"})
+PROPERTY_KEYS = frozenset({"message_id", "correlation_id", "content_type", "durable", "headers", "timestamp",
+                           "ttl", "expiration", "priority"})
+# The properties the broker acts on when a message arrives (an expiry, a priority level):
+# check_properties says whether a message has any, so that one without costs nothing more.
+TIMED_KEYS = frozenset({"ttl", "expiration"})
+MAX_PRIORITY = 9
 
 _S, _B, _I, _M, _Y, _L, _N = "str", "bool", "int", "map", "bytes", "list", "str?"
 _CHECK = {
@@ -142,27 +147,57 @@ def command_name(code: Any) -> str:
     return COMMAND_NAMES.get(code, f"command {code!r}")
 
 
-def check_properties(props: Any) -> dict[str, Any] | None:
+_TEXT, _FLAG, _TIME, _MAP, _MSEC, _PRIO = range(6)
+# Each property's kind; the text ones, the usual, are tested first.
+_PROPERTY_KINDS = {"message_id": _TEXT, "correlation_id": _TEXT, "content_type": _TEXT, "durable": _FLAG,
+                   "timestamp": _TIME, "headers": _MAP, "ttl": _MSEC, "expiration": _MSEC, "priority": _PRIO}
+
+
+def check_properties(props: Any) -> bool:
+    """Check a message's properties (a map or nil).
+
+    Returns:
+      Whether the broker has something to do with them when the message
+      arrives: a ``ttl``, an ``expiration`` or a ``priority`` is present
+      (a message with none of them costs nothing more for their existence).
+
+    Raises:
+      CommandError: INVALID_ARGUMENT, naming the property at fault.
+    """
     if props is None:
-        return None
+        return False
     if type(props) is not dict:
         raise CommandError(INVALID_ARGUMENT, "message.transfer: properties must be a map or nil")
+    acts = False
+    kinds = _PROPERTY_KINDS
     for key, value in props.items():
-        if key not in PROPERTY_KEYS:
+        kind = kinds.get(key) if type(key) is str else None
+        if kind is _TEXT:
+            if value is not None and type(value) is not str:
+                raise CommandError(INVALID_ARGUMENT, f"message.transfer: property {key!r} must be a string")
+        elif kind is None:
             raise CommandError(INVALID_ARGUMENT, f"message.transfer: unknown property {key!r}")
-        if key == "durable":
+        elif kind is _FLAG:
             if type(value) is not bool:
                 raise CommandError(INVALID_ARGUMENT, "message.transfer: property 'durable' must be a bool")
-        elif key == "timestamp":
+        elif kind is _TIME:
             if type(value) is not int or not 0 <= value < 1 << 63:
                 raise CommandError(INVALID_ARGUMENT, "message.transfer: property 'timestamp' must be an integer "
                                                      "(milliseconds since the Unix epoch, 0 or more)")
-        elif key == "headers":
+        elif kind is _MAP:
             if type(value) is not dict or any(type(k) is not str for k in value):
                 raise CommandError(INVALID_ARGUMENT, "message.transfer: property 'headers' must be a map with string keys")
-        elif value is not None and type(value) is not str:
-            raise CommandError(INVALID_ARGUMENT, f"message.transfer: property {key!r} must be a string")
-    return props
+        elif kind is _MSEC:
+            if type(value) is not int or not 0 <= value < 1 << 63:
+                raise CommandError(INVALID_ARGUMENT, f"message.transfer: property {key!r} must be an integer "
+                                                     f"of milliseconds, 0 or more, not {value!r}")
+            acts = True
+        else:
+            if type(value) is not int or not 0 <= value <= MAX_PRIORITY:
+                raise CommandError(INVALID_ARGUMENT, f"message.transfer: property 'priority' must be an integer "
+                                                     f"from 0 to {MAX_PRIORITY}, not {value!r}")
+            acts = True
+    return acts
 
 
 def parse_command(frame: list[Any]) -> list[Any]:

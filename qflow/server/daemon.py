@@ -205,6 +205,16 @@ async def run(args: argparse.Namespace) -> None:
         await _serve(args, broker, server, data_dir, journal, tls)
 
 
+async def _sweep_expired(broker: Broker, interval: float) -> None:
+    """Every ``interval`` seconds, the expired messages of every queue go
+    (Broker.expire_steps), one step per checkpoint: a queue nobody reads
+    releases the producers its expired messages held."""
+    while True:
+        await trio.sleep(interval)
+        for _ in broker.expire_steps():
+            await trio.sleep(0)
+
+
 def _recover(journal: Journal) -> dict[str, list[Entry]]:
     try:
         return journal.recover()
@@ -251,6 +261,9 @@ async def _serve(args: argparse.Namespace, broker: Broker, server: Server, data_
             store = None
             if journal is not None:
                 store = await _open_messages(nursery, broker, journal, args.store_quota)
+            interval = args.queue_purge_interval
+            if interval and interval > 0:
+                nursery.start_soon(_sweep_expired, broker, interval)
             alarm = MemoryAlarm(broker, args.memory_high, args.memory_low)
             if alarm.high:
                 log.info("memory alarm: high watermark %d bytes, low watermark %d bytes", alarm.high, alarm.low)

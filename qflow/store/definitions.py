@@ -93,7 +93,7 @@ class DurableConfig:
 
     def __init__(self) -> None:
         self.queues: dict[str, tuple[bool, dict[str, Any]]] = {}  # name -> (auto_delete, arguments)
-        self.exchanges: dict[str, str] = {}  # name -> type
+        self.exchanges: dict[str, tuple[str, dict[str, Any]]] = {}  # name -> (type, arguments)
         self.bindings: dict[tuple[str, str, str], None] = {}  # (exchange, queue, key), in bind order
 
     def apply(self, record: Any) -> None:
@@ -107,7 +107,9 @@ class DurableConfig:
             self.queues.pop(fields[0], None)
             self.bindings = {b: None for b in self.bindings if b[1] != fields[0]}
         elif kind == "exchange" and _shape(fields, str, str):
-            self.exchanges[fields[0]] = fields[1]
+            self.exchanges[fields[0]] = (fields[1], {})
+        elif kind == "exchange" and _shape(fields, str, str, dict):
+            self.exchanges[fields[0]] = (fields[1], fields[2])
         elif kind == "exchange-deleted" and _shape(fields, str):
             self.exchanges.pop(fields[0], None)
             self.bindings = {b: None for b in self.bindings if b[0] != fields[0]}
@@ -125,7 +127,8 @@ class DurableConfig:
 
     def records(self) -> list[list[Any]]:
         """One record per live object: the compacted log after the header."""
-        return ([["exchange", name, type_] for name, type_ in self.exchanges.items()]
+        return ([["exchange", name, type_, arguments] if arguments else ["exchange", name, type_]
+                 for name, (type_, arguments) in self.exchanges.items()]
                 + [["queue", name, auto_delete, arguments] for name, (auto_delete, arguments) in self.queues.items()]
                 + [["bind", *binding] for binding in self.bindings])
 
@@ -243,8 +246,9 @@ class DefinitionStore(ConfigHooks):
         it was written under."""
         c = self.config
         steps: list[tuple[str, Any]] = (
-            [(f"exchange {name!r}", lambda n=name, t=type_: broker.declare_exchange(n, t, durable=True))
-             for name, type_ in c.exchanges.items()]
+            [(f"exchange {name!r}", lambda n=name, t=type_, a=arguments: broker.declare_exchange(
+                n, t, durable=True, arguments=a))
+             for name, (type_, arguments) in c.exchanges.items()]
             + [(f"queue {name!r}", lambda n=name, a=auto_delete, args=arguments: broker.declare_queue(
                 n, durable=True, auto_delete=a, arguments=args, recovered=True))
                for name, (auto_delete, arguments) in c.queues.items()]
@@ -342,9 +346,12 @@ class DefinitionStore(ConfigHooks):
         if q.name in self.config.queues:
             self._append(["queue-deleted", q.name], f"queue.delete {q.name!r}")
 
-    def declare_exchange(self, name: str, type_: str, durable: bool) -> None:
+    def declare_exchange(self, name: str, type_: str, durable: bool, arguments: dict[str, Any]) -> None:
         if durable:
-            self._append(["exchange", name, type_], f"exchange.declare {name!r}")
+            # Without arguments, the record is as it always was (a journal written before exchanges
+            # took arguments reads the same).
+            record = ["exchange", name, type_, arguments] if arguments else ["exchange", name, type_]
+            self._append(record, f"exchange.declare {name!r}")
 
     def delete_exchange(self, ex: Exchange) -> None:
         if ex.name in self.config.exchanges:
