@@ -482,3 +482,26 @@ def test_drain_gets_what_there_is_then_the_credit_back(qflowd: Daemon) -> None:
     handler = Drainer(qflowd.address)
     Container(handler).run()
     assert handler.got == ["d0", "d1", "d2"] and handler.drained
+
+
+def test_a_rejected_message_goes_to_its_queues_alternate_exchange(qflowd: Daemon) -> None:
+    """rejected is a dead letter: it goes where the queue's dead letters go (x-dead-letter-exchange)."""
+    declare(qflowd, "dlq")
+
+    async def declare_source() -> None:
+        async with qflow.open_connection("127.0.0.1", qflowd.port) as conn:
+            await (await conn.session()).declare_queue(
+                "q", arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dlq"})
+    trio.run(declare_source)
+    conn = BlockingConnection(qflowd.address, timeout=20)
+    try:
+        conn.create_sender("q").send(Message(body="bad"))
+        receiver = conn.create_receiver("q")
+        assert receiver.receive(timeout=10).body == "bad"
+        receiver.reject()
+        dead = conn.create_receiver("dlq")
+        assert dead.receive(timeout=10).body == "bad"
+        dead.accept()
+    finally:
+        conn.close()
+    assert stats(qflowd, "q")["deadLetters"] == 1

@@ -550,8 +550,16 @@ class AmqpPump:
             for q, e in zip(queues, entries, strict=True):
                 if q.delivery_failures:
                     q.delivery_failures.pop(seq_of(e), None)
-            broker.accept(queues, entries)  # a rejected message is dropped: qflow has no dead letters yet
-            settled_state = ACCEPTED_STATE if isinstance(state, Accepted) else bytes(state.encode())
+            if isinstance(state, Accepted):
+                broker.accept(queues, entries)
+                settled_state = ACCEPTED_STATE
+            else:  # a dead letter: to its queue's alternate exchange if it has one, else dropped
+                by_queue: dict[Any, list[Any]] = {}
+                for q, e in zip(queues, entries, strict=True):
+                    by_queue.setdefault(q, []).append(e)
+                for q, es in by_queue.items():
+                    broker.dead_letter(q, es)
+                settled_state = bytes(state.encode())
         elif isinstance(state, Modified) and state.delivery_failed:
             for q, e in zip(queues, entries, strict=True):  # one more failed delivery, counted beside it
                 seq = seq_of(e)
