@@ -38,6 +38,8 @@ import pytest
 import trio
 import trio.testing
 from playwright.sync_api import expect, sync_playwright
+from proton.reactor import Container
+from proton.utils import BlockingConnection
 
 from qflow.broker import Broker
 from qflow.broker.acl import parse
@@ -654,3 +656,31 @@ def test_a_connection_is_closed_from_its_row_and_the_close_is_logged(daemon, bro
     assert re.search(rf"management change by 127\.0\.0\.1:\d+ \(user 'anonymous'\): DELETE /api/connections/"
                      rf"{re.escape(peer.replace(':', '%3A'))} done \(200\)", log), log[-3000:]
     assert f"connection {peer} closed: name 'victim', user 'anonymous': closed by an operator" in log
+
+
+def test_each_connection_shows_its_protocol(daemon, browser):
+    d = daemon
+    ok(config(d, "add", "queue", "protocols-q"))
+    receiver = subprocess.Popen(command("qflow-receive") + ["-b", d.address, "-a", "protocols-q", "--forever",
+                                                            "--connection-name", "native"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    container = Container()
+    container.container_id = "proton-client"
+    amqp = BlockingConnection(d.address, timeout=DEADLINE, container=container)
+    page = browser.new_page()
+    try:
+        peers = until("both connections", lambda: (lambda seen: len(seen) == 2 and seen)(
+            {c["name"]: (c["peer"], c["protocol"]) for c in api(d, "/api/connections")
+             if c["name"] in ("native", "proton-client")}))
+        assert {name: protocol for name, (_, protocol) in peers.items()} == {"native": "qflow",
+                                                                           "proton-client": "amqp1.0"}
+        page.goto(f"http://127.0.0.1:{d.mgmt_port}/", timeout=DEADLINE * MS)
+        for peer, protocol in peers.values():
+            expect(page.locator(f'#connections tr[data-connection="{peer}"] td.protocol').first).to_have_text(
+                protocol, timeout=DEADLINE * MS)
+    finally:
+        page.close()
+        amqp.close()
+        receiver.kill()
+        receiver.communicate()
+    ok(config(d, "del", "queue", "protocols-q", "--force"))

@@ -250,6 +250,7 @@ function renderConnections(list) {
       const heldBy = s ? s.heldBy.map(h => `${h.queue ?? h.holder} since ${clock(h.since)} (${h.heldSeconds} s)`).join(", ") : "";
       const tr = el("tr", {dataset: {connection: c.peer, session: s ? s.name : ""}},
         el("td", {}, i === 0 ? `${c.name || ""} ${c.peer}`.trim() : ""),
+        el("td", {className: "protocol"}, i === 0 ? c.protocol || "" : ""),
         el("td", {}, i === 0 ? c.user || "" : ""),
         el("td", {}, i === 0 ? `${clock(c.connectedAt)} (${Math.round(c.connectedSeconds)} s)` : ""),
         el("td", {className: "session"}, s ? s.name || `channel ${s.channel}` : "–"),
