@@ -38,6 +38,8 @@ import pytest
 import trio
 import trio.testing
 from playwright.sync_api import expect, sync_playwright
+from proton.reactor import Container
+from proton.utils import BlockingConnection
 
 from qflow.broker import Broker
 from qflow.broker.acl import parse
@@ -654,3 +656,116 @@ def test_a_connection_is_closed_from_its_row_and_the_close_is_logged(daemon, bro
     assert re.search(rf"management change by 127\.0\.0\.1:\d+ \(user 'anonymous'\): DELETE /api/connections/"
                      rf"{re.escape(peer.replace(':', '%3A'))} done \(200\)", log), log[-3000:]
     assert f"connection {peer} closed: name 'victim', user 'anonymous': closed by an operator" in log
+
+
+def test_a_queue_and_a_binding_are_created_from_the_page_and_a_refusal_shows_the_apis_words(daemon, browser):
+    d = daemon
+    page = browser.new_page()
+    try:
+        page.goto(f"http://127.0.0.1:{d.mgmt_port}/", timeout=DEADLINE * MS)
+        expect(page.locator("#status")).to_have_text("live", timeout=DEADLINE * MS)
+        message = page.locator("#message")
+
+        # A durable queue with a flow threshold: a whole number goes as a number, as qflow-config sends it.
+        page.fill("#new-queue input[name=name]", "made-here")
+        page.check("#new-queue input[name=durable]")
+        page.fill("#new-queue textarea[name=arguments]", "qpid.flow_stop_count=100\n\n  qpid.flow_resume_count = 50 \n")
+        page.click("#new-queue-create")
+        expect(message).to_have_text('Created durable queue "made-here".', timeout=DEADLINE * MS)
+        q = api(d, "/api/queues/made-here")
+        assert q["durable"] is True and q["autoDelete"] is False
+        assert q["arguments"] == {"qpid.flow_stop_count": 100, "qpid.flow_resume_count": 50}
+        assert (q["flowStopCount"], q["flowResumeCount"]) == (100, 50)
+        expect(page.locator('#queues tr[data-queue="made-here"] td.countThresholds')).to_have_text(
+            "100 / 50", timeout=SHOWN_WITHIN * MS)
+        assert page.input_value("#new-queue input[name=name]") == ""  # the form is cleared for the next one
+
+        # An argument qflow does not support: the broker refuses it, the page says so, nothing is created.
+        page.fill("#new-queue input[name=name]", "last-value")
+        page.fill("#new-queue textarea[name=arguments]", "qpid.last_value_queue_key=sym")
+        page.click("#new-queue-create")
+        expect(message).to_have_text(
+            "PUT /api/queues/last-value: 400 queue.declare 'last-value': queue argument 'qpid.last_value_queue_key' "
+            "(Qpid: a last-value queue) is not supported by qflow", timeout=DEADLINE * MS)
+        expect(message).to_have_attribute("data-kind", "error")
+        assert get(d, "/api/queues/last-value")[0] == 404
+
+        # A name the broker refuses, in its words; a line that is no KEY=VALUE, refused before any request.
+        page.fill("#new-queue input[name=name]", "n" * 300)
+        page.fill("#new-queue textarea[name=arguments]", "")
+        page.click("#new-queue-create")
+        expect(message).to_have_text(re.compile(r"^PUT /api/queues/n{300}: 400 queue name 'n+': "
+                                                r"a name must be 1 to 255 bytes, got 300$"), timeout=DEADLINE * MS)
+        page.fill("#new-queue input[name=name]", "no-pair")
+        page.fill("#new-queue textarea[name=arguments]", "qpid.max_count=5\nqpid.flow_stop_count")
+        page.click("#new-queue-create")
+        expect(message).to_have_text('New queue: arguments, line 2: expected KEY=VALUE, got "qpid.flow_stop_count"',
+                                     timeout=DEADLINE * MS)
+        page.fill("#new-queue textarea[name=arguments]", "qpid.max_count=9007199254740993")
+        page.click("#new-queue-create")
+        expect(message).to_have_text(re.compile(r"^New queue: arguments, line 1: qpid\.max_count: 9007199254740993 "
+                                                r"is beyond the integers a browser sends exactly"),
+                                     timeout=DEADLINE * MS)
+        assert get(d, "/api/queues/no-pair")[0] == 404
+
+        # The same queue again, same settings: the API's 200, said as such.
+        page.fill("#new-queue input[name=name]", "made-here")
+        page.check("#new-queue input[name=durable]")
+        page.fill("#new-queue textarea[name=arguments]", "qpid.flow_stop_count=100\nqpid.flow_resume_count=50")
+        page.click("#new-queue-create")
+        expect(message).to_have_text('Queue "made-here" exists already, with these settings.', timeout=DEADLINE * MS)
+
+        # A binding: it exists afterwards; a second time it is said to exist already.
+        page.fill("#new-binding input[name=exchange]", "amq.topic")
+        page.fill("#new-binding input[name=queue]", "made-here")
+        page.fill("#new-binding input[name=key]", "orders.#")
+        page.click("#new-binding-create")
+        expect(message).to_have_text('Bound queue "made-here" to exchange "amq.topic" with key "orders.#".',
+                                     timeout=DEADLINE * MS)
+        assert {"exchange": "amq.topic", "queue": "made-here", "key": "orders.#"} in [
+            {k: b[k] for k in ("exchange", "queue", "key")} for b in api(d, "/api/bindings")]
+        page.click("#new-binding-create")
+        expect(message).to_have_text('Already bound: queue "made-here" to exchange "amq.topic" with key "orders.#".',
+                                     timeout=DEADLINE * MS)
+        # A binding the broker refuses, in its words.
+        page.fill("#new-binding input[name=queue]", "no-such-queue")
+        page.click("#new-binding-create")
+        expect(message).to_have_text("POST /api/bindings: 404 exchange.bind: queue 'no-such-queue' not found",
+                                     timeout=DEADLINE * MS)
+        assert not [b for b in api(d, "/api/bindings") if b["queue"] == "no-such-queue"]
+    finally:
+        page.close()
+    ok(config(d, "del", "queue", "made-here", "--force"))
+    log = d.log()
+    assert re.search(r"management change by 127\.0\.0\.1:\d+ \(user 'anonymous'\): PUT /api/queues/made-here .*"
+                     r"done \(201\)", log), log[-3000:]
+    assert re.search(r"management change by 127\.0\.0\.1:\d+ \(user 'anonymous'\): POST /api/bindings .*"
+                     r"done \(201\)", log), log[-3000:]
+
+
+def test_each_connection_shows_its_protocol(daemon, browser):
+    d = daemon
+    ok(config(d, "add", "queue", "protocols-q"))
+    receiver = subprocess.Popen(command("qflow-receive") + ["-b", d.address, "-a", "protocols-q", "--forever",
+                                                            "--connection-name", "native"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    container = Container()
+    container.container_id = "proton-client"
+    amqp = BlockingConnection(d.address, timeout=DEADLINE, container=container)
+    page = browser.new_page()
+    try:
+        peers = until("both connections", lambda: (lambda seen: len(seen) == 2 and seen)(
+            {c["name"]: (c["peer"], c["protocol"]) for c in api(d, "/api/connections")
+             if c["name"] in ("native", "proton-client")}))
+        assert {name: protocol for name, (_, protocol) in peers.items()} == {"native": "qflow",
+                                                                           "proton-client": "amqp1.0"}
+        page.goto(f"http://127.0.0.1:{d.mgmt_port}/", timeout=DEADLINE * MS)
+        for peer, protocol in peers.values():
+            expect(page.locator(f'#connections tr[data-connection="{peer}"] td.protocol').first).to_have_text(
+                protocol, timeout=DEADLINE * MS)
+    finally:
+        page.close()
+        amqp.close()
+        receiver.kill()
+        receiver.communicate()
+    ok(config(d, "del", "queue", "protocols-q", "--force"))

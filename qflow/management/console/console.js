@@ -50,7 +50,8 @@ function say(text, kind = "info") {
 }
 
 // -- actions: the management API's routes, as the tools call them ---------------------------------
-async function call(method, path, body) {
+// {status, answer} of a request, or null once a failure or refusal is shown with the API's own words.
+async function send(method, path, body) {
   const init = {method, headers: {"Content-Type": "application/json"}};
   if (body !== undefined) init.body = JSON.stringify(body);
   let response;
@@ -66,7 +67,12 @@ async function call(method, path, body) {
     say(`${method} ${decodeURIComponent(path)}: ${response.status} ${answer && answer.error ? answer.error : ""}`, "error");
     return null;
   }
-  return answer;
+  return {status: response.status, answer};
+}
+
+async function call(method, path, body) {
+  const sent = await send(method, path, body);
+  return sent ? sent.answer : null;
 }
 
 async function purge(name) {
@@ -123,6 +129,55 @@ async function applyThresholds(event) {
     $("thresholds").hidden = true;
     editing = null;
   }
+}
+
+// The arguments textarea: one KEY=VALUE a line, blank lines skipped. A whole number is sent as a
+// number, as qflow-config's --argument does (the broker wants integers for its limits); anything
+// else as a string. Throws an Error naming the line it cannot read.
+function parseArguments(text) {
+  const args = {};
+  text.split("\n").forEach((raw, i) => {
+    const line = raw.trim();
+    if (line === "") return;
+    const at = line.indexOf("=");
+    if (at <= 0) throw new Error(`arguments, line ${i + 1}: expected KEY=VALUE, got "${line}"`);
+    const key = line.slice(0, at).trim(), value = line.slice(at + 1).trim();
+    if (/^-?\d+$/.test(value)) {
+      if (!Number.isSafeInteger(Number(value))) {
+        throw new Error(`arguments, line ${i + 1}: ${key}: ${value} is beyond the integers a browser sends exactly ` +
+                        `(±${Number.MAX_SAFE_INTEGER}); use qflow-config`);
+      }
+      args[key] = Number(value);
+    } else {
+      args[key] = value;
+    }
+  });
+  return args;
+}
+
+async function createQueue(event) {
+  event.preventDefault();
+  const form = $("new-queue");
+  const name = form.elements["name"].value;
+  if (name === "") { say("New queue: give it a name.", "error"); return; }
+  let args;
+  try { args = parseArguments(form.elements["arguments"].value); } catch (e) { say(`New queue: ${e.message}`, "error"); return; }
+  const durable = form.elements["durable"].checked;
+  const sent = await send("PUT", apiPath(name), {durable, arguments: args});
+  if (!sent) return;
+  say(sent.status === 201 ? `Created ${durable ? "durable " : ""}queue "${name}".`
+                          : `Queue "${name}" exists already, with these settings.`);
+  form.reset();
+}
+
+async function createBinding(event) {
+  event.preventDefault();
+  const form = $("new-binding");
+  const [exchange, queue, key] = ["exchange", "queue", "key"].map(f => form.elements[f].value);
+  const sent = await send("POST", "/api/bindings", {exchange, queue, key});
+  if (!sent) return;
+  const what = `queue "${queue}" to exchange "${exchange}" with key "${key}"`;
+  say(sent.status === 201 ? `Bound ${what}.` : `Already bound: ${what}.`);
 }
 
 // -- the queues table -----------------------------------------------------------------------------
@@ -250,6 +305,7 @@ function renderConnections(list) {
       const heldBy = s ? s.heldBy.map(h => `${h.queue ?? h.holder} since ${clock(h.since)} (${h.heldSeconds} s)`).join(", ") : "";
       const tr = el("tr", {dataset: {connection: c.peer, session: s ? s.name : ""}},
         el("td", {}, i === 0 ? `${c.name || ""} ${c.peer}`.trim() : ""),
+        el("td", {className: "protocol"}, i === 0 ? c.protocol || "" : ""),
         el("td", {}, i === 0 ? c.user || "" : ""),
         el("td", {}, i === 0 ? `${clock(c.connectedAt)} (${Math.round(c.connectedSeconds)} s)` : ""),
         el("td", {className: "session"}, s ? s.name || `channel ${s.channel}` : "–"),
@@ -305,5 +361,7 @@ function connect() {
 document.addEventListener("DOMContentLoaded", () => {
   $("thresholds").addEventListener("submit", applyThresholds);
   $("thresholds-cancel").addEventListener("click", () => { $("thresholds").hidden = true; editing = null; });
+  $("new-queue").addEventListener("submit", createQueue);
+  $("new-binding").addEventListener("submit", createBinding);
   connect();
 });
