@@ -309,14 +309,7 @@ class Broker:
         n = len(body)
         size = len(tail) - (2 if n < 0x100 else 3 if n < 0x10000 else 5)
         if not queues:
-            # Unroutable: completed and dropped, as qpidd does, but counted.
-            ex.msg_in += 1
-            ex.byte_in += size
-            ex.msg_drop += 1
-            ex.byte_drop += size
-            self.discards_no_route += 1
-            ssn.commands.complete(command_id)
-            self._dirty_sessions[ssn] = None
+            self._unroutable(ssn, command_id, ex, size)
             return
         for q in queues:
             if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
@@ -393,15 +386,8 @@ class Broker:
         now = self.clock()
         stamped = [self._stamp(q, ex.name, routing_key, properties, body, now) for q in queues]
         if not queues:
-            tail = encode_tail(ex.name, routing_key, properties, body)
-            size = message_size(len(tail), len(body))
-            ex.msg_in += 1
-            ex.byte_in += size
-            ex.msg_drop += 1
-            ex.byte_drop += size
-            self.discards_no_route += 1
-            ssn.commands.complete(command_id)
-            self._dirty_sessions[ssn] = None
+            self._unroutable(ssn, command_id, ex, message_size(len(encode_tail(ex.name, routing_key, properties, body)),
+                                                               len(body)))
             return
         for q, (_, size, _) in zip(queues, stamped, strict=True):
             if (q.max_count and q.count >= q.max_count) or (q.max_size and q.nbytes + size > q.max_size):
@@ -592,6 +578,16 @@ class Broker:
                 n += yield from self._expire_due(q)
         self.flush()
         return n
+
+    def _unroutable(self, ssn: BrokerSession, command_id: int, ex: Exchange, size: int) -> None:
+        """A transfer routed to no queue: completed and dropped, as qpidd does, but counted."""
+        ex.msg_in += 1
+        ex.byte_in += size
+        ex.msg_drop += 1
+        ex.byte_drop += size
+        self.discards_no_route += 1
+        ssn.commands.complete(command_id)
+        self._dirty_sessions[ssn] = None
 
     def _refuse_when_full(self, q: Queue) -> None:
         """``q`` is full: raise unless its policy lets the message in (a ring
