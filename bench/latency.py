@@ -41,7 +41,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from run import NO_FLOW, _declare, _expect, _ready, cpu_seconds, start_broker  # noqa: E402
+from processes import NO_FLOW, cpu_seconds, start_broker  # noqa: E402
+from processes import declare as _declare  # noqa: E402
+from processes import expect as _expect  # noqa: E402
+from processes import ready as _ready  # noqa: E402
 
 import qflow  # noqa: E402
 

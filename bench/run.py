@@ -26,13 +26,17 @@ import trio
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+# The pieces every benchmark shares (bench/processes.py), under the names the other scripts import from here.
+from processes import NO_FLOW, cpu_seconds, start_broker  # noqa: E402, F401
+from processes import declare as _declare  # noqa: E402
+from processes import expect as _expect  # noqa: E402
+from processes import ready as _ready  # noqa: E402
+
 import qflow  # noqa: E402
 from qflow import testing as qflowd  # noqa: E402
 
+
 # Queue arguments for the throughput runs: no limit and no flow control.
-NO_FLOW = {"qpid.flow_stop_count": 0, "qpid.flow_stop_size": 0, "qpid.max_size": 0}
-
-
 def spin_loop() -> float:
     """A fixed pure-Python workload: seconds it takes now on this machine."""
     t0 = time.perf_counter()
@@ -40,11 +44,6 @@ def spin_loop() -> float:
     for i in range(3_000_000):
         x += i & 7
     return time.perf_counter() - t0
-
-
-def start_broker(*args: str, env: dict | None = None) -> qflowd.Daemon:
-    """A fresh qflowd; its ``stop()`` also removes the temporary data directory start() gave it."""
-    return qflowd.start("--log-level", "warning", *args, env=env)
 
 
 def rss_peak_bytes(pid: int) -> int:
@@ -63,14 +62,6 @@ def rss_peak_bytes(pid: int) -> int:
 # code does), "batch" calls send_many / fetch_many (what a program moving many
 # messages at once can do). Both keep the sender's capacity and the credit window.
 BATCH_BODIES = 1000  # bodies per send_many call
-
-
-def _ready() -> None:
-    """Tell the parent this client is connected and set up, then wait for go:
-    start-up (imports, connecting) is not part of the measured time."""
-    print("READY", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        raise SystemExit("the benchmark parent went away")
 
 
 def _credentials() -> dict:
@@ -143,21 +134,6 @@ def _client(role: str, port: int, queue: str, count: int, size: int, capacity: i
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
-def _expect(proc: subprocess.Popen, word: str) -> str:
-    line = proc.stdout.readline()
-    if not line.startswith(word):
-        proc.kill()
-        raise SystemExit(f"a benchmark client failed (exit {proc.wait()}) before {word}: {line!r}")
-    return line[len(word):].strip()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds process ``pid`` used so far, all its threads."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_clients(*procs: subprocess.Popen, cpu: list[float] | None = None) -> list[float]:
     """Wait until every client is READY, say go to all, return each one's RESULT
     time (time.perf_counter, the same monotonic clock in every process).
@@ -187,13 +163,6 @@ def run_clients(*procs: subprocess.Popen, cpu: list[float] | None = None) -> lis
 async def _query(port: int, queue: str, credentials: dict | None = None) -> dict:
     async with await qflow.connect("127.0.0.1", port, **(credentials or {})) as conn:
         return await (await conn.session()).query_queue(queue)
-
-
-async def _declare(port: int, queue: str, arguments: dict, credentials: dict | None = None,
-                   durable: bool = False) -> None:
-    async with await qflow.connect("127.0.0.1", port, **(credentials or {})) as conn:
-        ssn = await conn.session()
-        await ssn.declare_queue(queue, arguments=arguments, durable=durable)
 
 
 def throughput(count: int, size: int, arguments: dict | None = None, env: dict | None = None,
