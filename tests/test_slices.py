@@ -504,6 +504,28 @@ def test_syncs_past_the_limit_are_refused_and_the_rest_complete_on_release(monke
     assert ssn.call(P.SYNC) is None  # and this one works again
 
 
+# -- subscriptions per session ----------------------------------------------------------------------------------
+def test_subscriptions_past_the_limit_are_refused_naming_it():
+    """50,000 subscriptions on one session in one write took 1.7 s and starved
+    every other client. Bound: at most MAX_CONSUMERS (1000) per session; one
+    more is refused with RESOURCE_LIMIT_EXCEEDED naming the limit, and the
+    session (and every other) goes on working."""
+    limit = broker_module.MAX_CONSUMERS
+    harness = Harness()
+    client = harness.connect()
+    ssn = client.session()
+    ssn.declare_queue("q")
+    subscribes = [ssn.command(P.SUBSCRIBE, "q", f"d{i}", P.ACCEPT_EXPLICIT, 0, 0) for i in range(limit + 1)]
+    harness.run()
+    assert not ssn.incomplete(subscribes)
+    assert [cid for cid in subscribes if cid in ssn.failures] == [subscribes[limit]]
+    code, text = ssn.failures[subscribes[limit]]
+    assert code == P.RESOURCE_LIMIT_EXCEEDED and f"holds {limit} subscriptions" in text
+    ssn.call(P.CANCEL, "d0")
+    ssn.call(P.SUBSCRIBE, "q", "again", P.ACCEPT_EXPLICIT, 0, 0)  # room again after a cancel
+    assert client.session("other").call(P.SUBSCRIBE, "q", "d0", P.ACCEPT_EXPLICIT, 0, 0) is None
+
+
 # -- over loopback, through the real server and client ----------------------------------------------------
 async def test_a_client_is_answered_while_another_purges_a_deep_queue(running, monkeypatch):
     """The purge freeze end to end: a probe on another connection does round

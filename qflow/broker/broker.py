@@ -49,6 +49,9 @@ log = logging.getLogger("qflow.broker")
 MAX_NAME = 255
 MAX_PUBLISHED = 4096  # (exchange, routing key) pairs a session's ACL decisions are remembered for
 MAX_DESTINATION = 255  # bytes, as a queue's name: a delivery frame's head must fit in the smallest frame (4096)
+# Subscriptions one session may hold at once: 50,000 in one write took qflowd 1.7 s and starved every
+# other client; a session needs a handful (an AMQP 1.0 session's receiving links count here too).
+MAX_CONSUMERS = 1_000
 
 # The most messages one step of a long command handles (purge, delete, remove-through, an
 # accept or release of many deliveries, a detach's put-back): between two steps the server
@@ -1436,6 +1439,10 @@ class Broker:
                                f"bytes, got {len(destination.encode())}")
         if destination in ssn.consumers:
             raise CommandError(P.NOT_ALLOWED, f"message.subscribe: destination {destination!r} is already in use")
+        if len(ssn.consumers) >= MAX_CONSUMERS:
+            raise CommandError(P.RESOURCE_LIMIT_EXCEEDED,
+                               f"message.subscribe: this session holds {len(ssn.consumers)} subscriptions, the most "
+                               f"one session may hold; cancel some, or use another session")
         self.check_owner(q, "message.subscribe", ssn)
         c = Consumer(ssn, destination, q, accept_mode, acquire_mode)
         ssn.consumers[destination] = c
