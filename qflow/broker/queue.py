@@ -269,6 +269,8 @@ class Queue:
             self._tell_holders((entry,))
         if self.expiries:
             self.expiries.pop(seq_of(entry), None)
+        if self.delivery_failures:
+            self.delivery_failures.pop(seq_of(entry), None)
 
     def _tell_holders(self, entries: Sequence[Entry]) -> None:
         for holder in self.holders:
@@ -282,6 +284,10 @@ class Queue:
             self._tell_holders(entries)
         if self.expiries:
             pop = self.expiries.pop
+            for entry in entries:
+                pop(seq_of(entry), None)
+        if self.delivery_failures:  # whatever takes them away (an accept, a purge, an expiry): counted no more
+            pop = self.delivery_failures.pop
             for entry in entries:
                 pop(seq_of(entry), None)
         n, nbytes = len(entries), total_size(entries)

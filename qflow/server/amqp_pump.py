@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -53,7 +53,6 @@ from qflow.protocol.amqp.performatives import (
     Rejected,
     Released,
     Source,
-    Target,
 )
 from qflow.protocol.amqp.session_output import (
     OutputRoom,
@@ -416,11 +415,6 @@ class AmqpPump:
             self._ended(channel)
         self.broker.flush()
 
-    def close_steps(self) -> Iterator[None]:
-        """:meth:`close_sessions`, as the glue's steps (one)."""
-        self.close_sessions()
-        yield
-
     # -- transfers ----------------------------------------------------------------------------------------------
     def _transfers(self, run: TransferRun) -> None:
         session = self.sessions.get(run.channel)
@@ -547,9 +541,6 @@ class AmqpPump:
             entries += es
             i = j + 1
         if isinstance(state, Accepted | Rejected):
-            for q, e in zip(queues, entries, strict=True):
-                if q.delivery_failures:
-                    q.delivery_failures.pop(seq_of(e), None)
             if isinstance(state, Accepted):
                 broker.accept(queues, entries)
                 settled_state = ACCEPTED_STATE
@@ -600,4 +591,4 @@ class _NoUsers:
         return None
 
 
-__all__ = ["AmqpPump", "DEFAULT_CREDIT_WINDOW", "Target"]
+__all__ = ["AmqpPump", "DEFAULT_CREDIT_WINDOW"]
